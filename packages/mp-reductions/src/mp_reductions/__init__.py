@@ -1,0 +1,4 @@
+"""mp-reductions (work in progress)."""
+
+__all__ = []
+__version__ = "0.1.0"

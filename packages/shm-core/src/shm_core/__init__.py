@@ -1,0 +1,56 @@
+"""shm-core: native shared-memory segments for arraymp.
+
+Anonymous (memfd) and named segments with reserved pages, a 64-byte checked
+header, a buffer-protocol mapping that keeps no file descriptor, and atomic
+counters inside shared memory. Policy above this (sharing strategies, cleanup)
+lives in mp-reductions and shm-manager.
+"""
+
+import sys
+
+if not sys.platform.startswith("linux"):  # pragma: no cover
+    raise ImportError(f"shm-core supports Linux only (memfd, tmpfs, futex); this is {sys.platform}")
+
+from ._fds import recv_fds, send_fds
+from ._native import Mapping
+from ._segment import (
+    DEFAULT_PREFIX,
+    HEADER_SIZE,
+    REFCOUNT_OFFSET,
+    USER_OFFSET,
+    VIEWS_OFFSET,
+    Segment,
+    SegmentError,
+    SharedMemoryFullError,
+    attach,
+    attach_fd,
+    create,
+    create_anonymous,
+    parse_name,
+    segment_name,
+    shm_dir,
+    unlink,
+)
+
+__all__ = [
+    "DEFAULT_PREFIX",
+    "HEADER_SIZE",
+    "REFCOUNT_OFFSET",
+    "USER_OFFSET",
+    "VIEWS_OFFSET",
+    "Mapping",
+    "Segment",
+    "SegmentError",
+    "SharedMemoryFullError",
+    "attach",
+    "attach_fd",
+    "create",
+    "create_anonymous",
+    "parse_name",
+    "recv_fds",
+    "segment_name",
+    "send_fds",
+    "shm_dir",
+    "unlink",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,506 @@
+/*
+ * shm_core._native: the thin C layer under shm_core.
+ *
+ * One wrapper per system call that Python's os module lacks or gets wrong
+ * for us (memfd_create with our flags, posix_fallocate whose *return value*
+ * carries the error, futex wait/wake on shared words), the GIL released
+ * around each and EINTR retried; plus the two things Python cannot do:
+ *
+ *   - Mapping: an mmap'ed region with the buffer protocol that does not keep
+ *     the file descriptor (Python's mmap keeps a dup of it, which makes a
+ *     process holding many shared arrays run out of descriptors). The buffer
+ *     starts `data_offset` bytes into the mapping so the segment header is
+ *     not part of any array. The mapping lives while any export lives;
+ *     close() with live exports raises BufferError as mmap does.
+ *   - atomics on 64-bit words inside a Mapping (sequentially consistent).
+ *
+ * No policy lives here: names, headers, validation and errors with remedies
+ * are in shm_core/_segment.py.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifndef MFD_CLOEXEC
+#define MFD_CLOEXEC 0x0001U
+#endif
+
+/* ------------------------------------------------------------------ calls */
+
+static PyObject *
+native_memfd_create(PyObject *mod, PyObject *args)
+{
+    const char *name;
+    int fd;
+    if (!PyArg_ParseTuple(args, "s:memfd_create", &name))
+        return NULL;
+    do {
+        Py_BEGIN_ALLOW_THREADS
+#ifdef SYS_memfd_create
+        fd = (int)syscall(SYS_memfd_create, name, MFD_CLOEXEC);
+#else
+        fd = -1;
+        errno = ENOSYS;
+#endif
+        Py_END_ALLOW_THREADS
+    } while (fd < 0 && errno == EINTR && !PyErr_CheckSignals());
+    if (PyErr_Occurred())
+        return NULL;
+    if (fd < 0)
+        return PyErr_SetFromErrnoWithFilename(PyExc_OSError, name);
+    return PyLong_FromLong(fd);
+}
+
+static PyObject *
+native_fallocate(PyObject *mod, PyObject *args)
+{
+    int fd, rc;
+    long long length;
+    PyObject *path;
+    if (!PyArg_ParseTuple(args, "iLO:fallocate", &fd, &length, &path))
+        return NULL;
+    do {
+        /* posix_fallocate returns the error; it does not set errno. */
+        Py_BEGIN_ALLOW_THREADS
+        rc = posix_fallocate(fd, 0, (off_t)length);
+        Py_END_ALLOW_THREADS
+    } while (rc == EINTR && !PyErr_CheckSignals());
+    if (PyErr_Occurred())
+        return NULL;
+    if (rc != 0) {
+        errno = rc;
+        return PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path);
+    }
+    Py_RETURN_NONE;
+}
+
+/* ---------------------------------------------------------------- Mapping */
+
+typedef struct {
+    PyObject_HEAD
+    char *addr;
+    Py_ssize_t length;
+    Py_ssize_t data_offset;
+    Py_ssize_t views_offset; /* word counting processes with live exports, or -1 */
+    Py_ssize_t exports;
+    int readonly;
+    PyObject *weakreflist;
+    PyObject *dict;
+} Mapping;
+
+static int
+mapping_init(Mapping *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"fd", "length", "data_offset", "populate",
+                             "readonly", "views_offset", NULL};
+    int fd, populate = 0, readonly = 0;
+    Py_ssize_t length, data_offset = 0, views_offset = -1;
+    void *addr;
+    int flags = MAP_SHARED;
+
+    if (self->addr != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Mapping is already initialised");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "in|$nppn:Mapping", kwlist,
+                                     &fd, &length, &data_offset, &populate,
+                                     &readonly, &views_offset))
+        return -1;
+    if (length <= 0 || data_offset < 0 || data_offset > length) {
+        PyErr_Format(PyExc_ValueError,
+                     "cannot map %zd bytes with data at offset %zd",
+                     length, data_offset);
+        return -1;
+    }
+    if (views_offset != -1 &&
+        (views_offset < 0 || views_offset % 8 || views_offset + 8 > data_offset)) {
+        PyErr_Format(PyExc_ValueError, "bad views_offset %zd", views_offset);
+        return -1;
+    }
+    if (populate)
+        flags |= MAP_POPULATE;
+    Py_BEGIN_ALLOW_THREADS
+    addr = mmap(NULL, (size_t)length,
+                readonly ? PROT_READ : PROT_READ | PROT_WRITE, flags, fd, 0);
+    Py_END_ALLOW_THREADS
+    if (addr == MAP_FAILED) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    self->addr = addr;
+    self->length = length;
+    self->data_offset = data_offset;
+    self->views_offset = views_offset;
+    self->readonly = readonly;
+    return 0;
+}
+
+static void
+mapping_unmap(Mapping *self)
+{
+    if (self->addr != NULL) {
+        munmap(self->addr, (size_t)self->length);
+        self->addr = NULL;
+    }
+}
+
+static void
+mapping_dealloc(Mapping *self)
+{
+    PyObject_GC_UnTrack(self);
+    if (self->weakreflist != NULL)
+        PyObject_ClearWeakRefs((PyObject *)self);
+    Py_CLEAR(self->dict);
+    mapping_unmap(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int
+mapping_traverse(Mapping *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->dict);
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int
+mapping_clear(Mapping *self)
+{
+    Py_CLEAR(self->dict);
+    return 0;
+}
+
+static int
+check_open(Mapping *self)
+{
+    if (self->addr == NULL) {
+        PyErr_SetString(PyExc_ValueError, "mapping closed or not initialised");
+        return -1;
+    }
+    return 0;
+}
+
+static int
+mapping_getbuffer(Mapping *self, Py_buffer *view, int flags)
+{
+    if (check_open(self) < 0)
+        return -1;
+    if (PyBuffer_FillInfo(view, (PyObject *)self, self->addr + self->data_offset,
+                          self->length - self->data_offset, self->readonly,
+                          flags) < 0)
+        return -1;
+    if (self->exports++ == 0 && self->views_offset >= 0)
+        __atomic_fetch_add((int64_t *)(self->addr + self->views_offset), 1,
+                           __ATOMIC_SEQ_CST);
+    return 0;
+}
+
+static void
+mapping_releasebuffer(Mapping *self, Py_buffer *view)
+{
+    if (--self->exports == 0 && self->views_offset >= 0 && self->addr != NULL)
+        __atomic_fetch_sub((int64_t *)(self->addr + self->views_offset), 1,
+                           __ATOMIC_SEQ_CST);
+}
+
+static PyBufferProcs mapping_as_buffer = {
+    (getbufferproc)mapping_getbuffer,
+    (releasebufferproc)mapping_releasebuffer,
+};
+
+static PyObject *
+mapping_close(Mapping *self, PyObject *unused)
+{
+    if (self->exports > 0) {
+        PyErr_SetString(PyExc_BufferError,
+                        "cannot close exported pointers exist");
+        return NULL;
+    }
+    mapping_unmap(self);
+    Py_RETURN_NONE;
+}
+
+/* Parse (offset) and check it names an aligned 8-byte word in the mapping. */
+static int64_t *
+word_at(Mapping *self, Py_ssize_t offset)
+{
+    if (check_open(self) < 0)
+        return NULL;
+    if (offset < 0 || offset % 8 || offset + 8 > self->length) {
+        PyErr_Format(PyExc_ValueError,
+                     "offset %zd is not an aligned 8-byte word inside %zd bytes",
+                     offset, self->length);
+        return NULL;
+    }
+    if (self->readonly) {
+        PyErr_SetString(PyExc_TypeError, "atomics need a writable mapping");
+        return NULL;
+    }
+    return (int64_t *)(self->addr + offset);
+}
+
+static PyObject *
+mapping_fetch_add(Mapping *self, PyObject *args)
+{
+    Py_ssize_t offset;
+    long long delta;
+    int64_t *w;
+    if (!PyArg_ParseTuple(args, "nL:fetch_add", &offset, &delta))
+        return NULL;
+    if ((w = word_at(self, offset)) == NULL)
+        return NULL;
+    return PyLong_FromLongLong(__atomic_fetch_add(w, (int64_t)delta, __ATOMIC_SEQ_CST));
+}
+
+static PyObject *
+mapping_load(Mapping *self, PyObject *args)
+{
+    Py_ssize_t offset;
+    int64_t *w;
+    if (!PyArg_ParseTuple(args, "n:load", &offset))
+        return NULL;
+    if ((w = word_at(self, offset)) == NULL)
+        return NULL;
+    return PyLong_FromLongLong(__atomic_load_n(w, __ATOMIC_SEQ_CST));
+}
+
+static PyObject *
+mapping_store(Mapping *self, PyObject *args)
+{
+    Py_ssize_t offset;
+    long long value;
+    int64_t *w;
+    if (!PyArg_ParseTuple(args, "nL:store", &offset, &value))
+        return NULL;
+    if ((w = word_at(self, offset)) == NULL)
+        return NULL;
+    __atomic_store_n(w, (int64_t)value, __ATOMIC_SEQ_CST);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+mapping_compare_exchange(Mapping *self, PyObject *args)
+{
+    Py_ssize_t offset;
+    long long expected, desired;
+    int64_t *w, exp;
+    int ok;
+    if (!PyArg_ParseTuple(args, "nLL:compare_exchange", &offset, &expected, &desired))
+        return NULL;
+    if ((w = word_at(self, offset)) == NULL)
+        return NULL;
+    exp = (int64_t)expected;
+    ok = __atomic_compare_exchange_n(w, &exp, (int64_t)desired, 0,
+                                     __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    return Py_BuildValue("(OL)", ok ? Py_True : Py_False, (long long)exp);
+}
+
+/* futex on the low 32 bits of a 64-bit word (little-endian x86-64/aarch64). */
+static PyObject *
+mapping_futex_wait(Mapping *self, PyObject *args)
+{
+    Py_ssize_t offset;
+    long long expected;
+    double timeout = -1.0;
+    int64_t *w;
+    long rc;
+    int err;
+    struct timespec ts, *tsp = NULL;
+    if (!PyArg_ParseTuple(args, "nL|d:futex_wait", &offset, &expected, &timeout))
+        return NULL;
+    if ((w = word_at(self, offset)) == NULL)
+        return NULL;
+    if (timeout >= 0) {
+        ts.tv_sec = (time_t)timeout;
+        ts.tv_nsec = (long)((timeout - (double)ts.tv_sec) * 1e9);
+        tsp = &ts;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rc = syscall(SYS_futex, (uint32_t *)w, FUTEX_WAIT, (uint32_t)expected, tsp,
+                 NULL, 0);
+    err = errno;
+    Py_END_ALLOW_THREADS
+    /* EINTR and EAGAIN return to Python, which re-checks its condition. */
+    if (rc < 0 && err == EINTR && PyErr_CheckSignals())
+        return NULL;
+    if (rc < 0 && err != EAGAIN && err != EINTR && err != ETIMEDOUT) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyBool_FromLong(!(rc < 0 && err == ETIMEDOUT));
+}
+
+static PyObject *
+mapping_futex_wake(Mapping *self, PyObject *args)
+{
+    Py_ssize_t offset;
+    int n = INT32_MAX;
+    int64_t *w;
+    long rc;
+    if (!PyArg_ParseTuple(args, "n|i:futex_wake", &offset, &n))
+        return NULL;
+    if ((w = word_at(self, offset)) == NULL)
+        return NULL;
+    rc = syscall(SYS_futex, (uint32_t *)w, FUTEX_WAKE, n, NULL, NULL, 0);
+    if (rc < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    return PyLong_FromLong(rc);
+}
+
+static PyObject *
+mapping_read(Mapping *self, PyObject *args)
+{
+    Py_ssize_t offset, n;
+    if (!PyArg_ParseTuple(args, "nn:read", &offset, &n))
+        return NULL;
+    if (check_open(self) < 0)
+        return NULL;
+    if (offset < 0 || n < 0 || offset + n > self->length) {
+        PyErr_SetString(PyExc_ValueError, "read outside the mapping");
+        return NULL;
+    }
+    return PyBytes_FromStringAndSize(self->addr + offset, n);
+}
+
+static PyObject *
+mapping_write(Mapping *self, PyObject *args)
+{
+    Py_ssize_t offset;
+    Py_buffer data;
+    if (!PyArg_ParseTuple(args, "ny*:write", &offset, &data))
+        return NULL;
+    if (check_open(self) < 0 || self->readonly) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "mapping is read-only");
+        PyBuffer_Release(&data);
+        return NULL;
+    }
+    if (offset < 0 || offset + data.len > self->length) {
+        PyBuffer_Release(&data);
+        PyErr_SetString(PyExc_ValueError, "write outside the mapping");
+        return NULL;
+    }
+    memcpy(self->addr + offset, data.buf, (size_t)data.len);
+    PyBuffer_Release(&data);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+mapping_get_closed(Mapping *self, void *c)
+{
+    return PyBool_FromLong(self->addr == NULL);
+}
+
+static PyObject *
+mapping_get_address(Mapping *self, void *c)
+{
+    if (check_open(self) < 0)
+        return NULL;
+    return PyLong_FromVoidPtr(self->addr);
+}
+
+static PyObject *
+mapping_get_length(Mapping *self, void *c)
+{
+    return PyLong_FromSsize_t(self->length);
+}
+
+static PyObject *
+mapping_get_exports(Mapping *self, void *c)
+{
+    return PyLong_FromSsize_t(self->exports);
+}
+
+static PyObject *
+mapping_get_readonly(Mapping *self, void *c)
+{
+    return PyBool_FromLong(self->readonly);
+}
+
+static PyMethodDef mapping_methods[] = {
+    {"close", (PyCFunction)mapping_close, METH_NOARGS,
+     "Unmap now; BufferError while exports (views) exist."},
+    {"fetch_add", (PyCFunction)mapping_fetch_add, METH_VARARGS,
+     "fetch_add(offset, delta) -> previous value of the 64-bit word."},
+    {"load", (PyCFunction)mapping_load, METH_VARARGS, "load(offset) -> value."},
+    {"store", (PyCFunction)mapping_store, METH_VARARGS, "store(offset, value)."},
+    {"compare_exchange", (PyCFunction)mapping_compare_exchange, METH_VARARGS,
+     "compare_exchange(offset, expected, desired) -> (swapped, value seen)."},
+    {"futex_wait", (PyCFunction)mapping_futex_wait, METH_VARARGS,
+     "futex_wait(offset, expected, timeout=-1) -> False on timeout."},
+    {"futex_wake", (PyCFunction)mapping_futex_wake, METH_VARARGS,
+     "futex_wake(offset, n=all) -> number woken."},
+    {"read", (PyCFunction)mapping_read, METH_VARARGS, "read(offset, n) -> bytes."},
+    {"write", (PyCFunction)mapping_write, METH_VARARGS, "write(offset, data)."},
+    {NULL}
+};
+
+static PyGetSetDef mapping_getset[] = {
+    {"closed", (getter)mapping_get_closed, NULL, "True once unmapped.", NULL},
+    {"address", (getter)mapping_get_address, NULL, "Start address.", NULL},
+    {"length", (getter)mapping_get_length, NULL, "Mapped bytes.", NULL},
+    {"exports", (getter)mapping_get_exports, NULL, "Live buffer exports.", NULL},
+    {"readonly", (getter)mapping_get_readonly, NULL, "Mapped read-only.", NULL},
+    {NULL}
+};
+
+static PyTypeObject MappingType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shm_core._native.Mapping",
+    .tp_basicsize = sizeof(Mapping),
+    .tp_dealloc = (destructor)mapping_dealloc,
+    .tp_as_buffer = &mapping_as_buffer,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Mapping(fd, length, *, data_offset=0, populate=False, "
+              "readonly=False, views_offset=-1): a shared mapping whose buffer "
+              "is [data_offset, length); it does not keep fd.",
+    .tp_traverse = (traverseproc)mapping_traverse,
+    .tp_clear = (inquiry)mapping_clear,
+    .tp_weaklistoffset = offsetof(Mapping, weakreflist),
+    .tp_methods = mapping_methods,
+    .tp_getset = mapping_getset,
+    .tp_dictoffset = offsetof(Mapping, dict),
+    .tp_init = (initproc)mapping_init,
+    .tp_new = PyType_GenericNew,
+};
+
+static PyMethodDef native_methods[] = {
+    {"memfd_create", native_memfd_create, METH_VARARGS,
+     "memfd_create(name) -> fd (close-on-exec)."},
+    {"fallocate", native_fallocate, METH_VARARGS,
+     "fallocate(fd, length, path): reserve the pages (posix_fallocate)."},
+    {NULL}
+};
+
+static struct PyModuleDef native_module = {
+    PyModuleDef_HEAD_INIT, "_native", "Thin system-call layer of shm_core.", -1,
+    native_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__native(void)
+{
+    PyObject *m;
+    if (PyType_Ready(&MappingType) < 0)
+        return NULL;
+    m = PyModule_Create(&native_module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&MappingType);
+    if (PyModule_AddObject(m, "Mapping", (PyObject *)&MappingType) < 0) {
+        Py_DECREF(&MappingType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,253 @@
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import shm_core
+
+
+def run_child(code, *, pass_fds=(), env=None):
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], pass_fds=pass_fds,
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def mapped(address):
+    with open("/proc/self/maps") as f:
+        return any(int(line.split("-", 1)[0], 16) == address for line in f)
+
+
+def test_anonymous_segment_crosses_processes_by_fd():
+    seg = shm_core.create_anonymous(8 * 1000)
+    a = seg.ndarray((1000,), np.float64)
+    a[:] = np.arange(1000)
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with parent, child:
+        shm_core.send_fds(parent, [b"seg"], [seg.fd])
+        out = run_child(f"""
+            import socket, os, numpy as np, shm_core
+            s = socket.socket(fileno={child.fileno()})
+            data, fds, _ = shm_core.recv_fds(s, 16, 4)
+            seg = shm_core.attach_fd(fds[0], expected_size=8000)
+            os.close(fds[0])
+            b = seg.ndarray((1000,), np.float64)
+            print(data.decode(), b.sum(), seg.creator_pid)
+            b *= 2
+        """, pass_fds=[child.fileno()])
+    assert out.split() == ["seg", str(float(sum(range(1000)))), str(os.getpid())]
+    assert a[10] == 20.0  # the child's write is seen here
+    del a
+    seg.close()
+    assert seg.fd == -1
+
+
+def test_named_segment_written_here_read_there(tmp_path):
+    seg = shm_core.create(64, dir=tmp_path)
+    try:
+        assert oct(os.stat(seg.path).st_mode & 0o777) == "0o600"
+        seg.ndarray((8,), np.int64)[:] = 7
+        out = run_child(f"""
+            import numpy as np, shm_core
+            s = shm_core.attach({seg.name!r}, {str(tmp_path)!r})
+            print(s.ndarray((8,), np.int64).tolist())
+        """)
+        assert out.strip() == str([7] * 8)
+    finally:
+        seg.unlink()
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(FileNotFoundError):
+        shm_core.attach(seg.name, tmp_path)
+
+
+def test_shm_dir_from_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("ARRAYMP_SHM_DIR", str(tmp_path))
+    seg = shm_core.create(10)
+    assert seg.dir == str(tmp_path) and os.listdir(tmp_path) == [seg.name]
+    shm_core.unlink(seg.name)
+    assert os.listdir(tmp_path) == []
+
+
+def test_exclusive_create(tmp_path):
+    seg = shm_core.create(10, dir=tmp_path)
+    with pytest.raises(FileExistsError):
+        shm_core.create(10, name=seg.name, dir=tmp_path)
+    seg.unlink()
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"NOTOURS!" + bytes(100), "bad magic"),
+    (b"AR", "too short"),
+])
+def test_foreign_or_truncated_file_is_refused(tmp_path, content, message):
+    (tmp_path / "x").write_bytes(content)
+    with pytest.raises(shm_core.SegmentError, match=message):
+        shm_core.attach("x", tmp_path)
+
+
+def test_size_mismatch_is_refused(tmp_path):
+    seg = shm_core.create(100, dir=tmp_path)
+    os.truncate(seg.path, shm_core.HEADER_SIZE + 50)
+    with pytest.raises(shm_core.SegmentError, match="header says 100 data bytes but the file holds 50"):
+        shm_core.attach(seg.name, tmp_path)
+    os.truncate(seg.path, shm_core.HEADER_SIZE + 100)
+    with pytest.raises(shm_core.SegmentError, match="the handle says 99"):
+        shm_core.attach(seg.name, tmp_path, expected_size=99)
+    seg.unlink()
+
+
+def test_corrupted_version_is_refused(tmp_path):
+    seg = shm_core.create(100, dir=tmp_path)
+    seg.store(8, 99)
+    with pytest.raises(shm_core.SegmentError, match="version 99"):
+        shm_core.attach(seg.name, tmp_path)
+    seg.unlink()
+
+
+def test_atomic_increments_from_two_processes(tmp_path):
+    seg = shm_core.create(8, dir=tmp_path)
+    code = f"""
+        import shm_core
+        s = shm_core.attach({seg.name!r}, {str(tmp_path)!r})
+        add = s.fetch_add
+        for _ in range(1_000_000):
+            add(64, 1)
+    """
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)]) for _ in range(2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    assert seg.load(64) == 2_000_000
+    seg.unlink()
+
+
+def test_compare_exchange_and_bounds():
+    seg = shm_core.create_anonymous(16)
+    assert seg.compare_exchange(64, 0, 5) == (True, 0)
+    assert seg.compare_exchange(64, 0, 6) == (False, 5)
+    seg.store(72, -3)
+    assert seg.load(72) == -3
+    for bad in (-8, 63, 80, 1 << 40):
+        with pytest.raises(ValueError):
+            seg.load(bad)
+    seg.close()
+
+
+def test_futex_wait_and_wake():
+    import threading
+
+    seg = shm_core.create_anonymous(8)
+    assert seg.futex_wait(64, 0, 0.01) is False  # timed out
+    assert seg.futex_wait(64, 1, 1.0) is True  # value differs: returns at once
+
+    def wake():
+        seg.store(64, 1)
+        seg.futex_wake(64)
+    t = threading.Timer(0.05, wake)
+    t.start()
+    while seg.load(64) == 0:
+        seg.futex_wait(64, 0, 5.0)
+    t.join()
+    seg.close()
+
+
+def test_close_with_live_views_raises_and_last_view_unmaps():
+    seg = shm_core.create_anonymous(4096)
+    address = seg.address
+    view = seg.ndarray((4096,), np.uint8)
+    assert seg.views == 1 and mapped(address)
+    with pytest.raises(BufferError):
+        seg.close()
+    view2 = view[10:]
+    del seg, view
+    assert mapped(address)  # view2 keeps it
+    view2[:] = 1
+    del view2
+    assert not mapped(address)
+
+
+def test_plain_numpy_buffer_keeps_mapping_alive():
+    seg = shm_core.create_anonymous(800)
+    address = seg.address
+    a = np.ndarray((100,), np.float64, buffer=seg, offset=0)
+    a[:] = 1.5
+    seg.close_fd()
+    del seg
+    assert mapped(address) and a.sum() == 150.0
+    del a
+    assert not mapped(address)
+
+
+def test_views_counts_processes_not_arrays():
+    seg = shm_core.create_anonymous(64)
+    a, b = seg.ndarray((8,), np.int64), seg.ndarray((4,), np.int64, offset=32)
+    assert seg.views == 1
+    del a
+    assert seg.views == 1
+    del b
+    assert seg.views == 0
+    seg.close()
+
+
+def test_readonly_view():
+    seg = shm_core.create_anonymous(64)
+    a = seg.ndarray((8,), np.int64, readonly=True)
+    assert not a.flags.writeable
+    with pytest.raises(ValueError):
+        a[0] = 1
+    del a
+    seg.close()
+
+
+def test_populate_and_zero_size():
+    seg = shm_core.create_anonymous(1 << 20, populate=True)
+    assert seg.size == 1 << 20 and bytes(memoryview(seg)[:4]) == bytes(4)
+    seg.close()
+    empty = shm_core.create_anonymous(0)
+    assert empty.size == 0 and len(memoryview(empty)) == 0
+    empty.close()
+
+
+def test_pickle_named_reattaches(tmp_path):
+    import pickle
+
+    seg = shm_core.create(8, dir=tmp_path)
+    seg.ndarray((1,), np.int64)[0] = 42
+    other = pickle.loads(pickle.dumps(seg))
+    assert other.ndarray((1,), np.int64)[0] == 42 and other.id == seg.id
+    with pytest.raises(TypeError, match="file descriptor"):
+        pickle.dumps(shm_core.create_anonymous(1))
+    seg.unlink()
+
+
+def test_names_identify_owner():
+    name = shm_core.segment_name(group="g1")
+    assert shm_core.parse_name(name) == (os.getuid(), "g1", os.getpid())
+    assert shm_core.parse_name("sem.mp-123") is None
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not permitted here: {r.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", "--lazy", str(mnt)], check=True)
+
+
+def test_full_tmpfs_raises_instead_of_sigbus(tiny_tmpfs, monkeypatch):
+    monkeypatch.setenv("ARRAYMP_SHM_DIR", str(tiny_tmpfs))
+    with pytest.raises(shm_core.SharedMemoryFullError) as info:
+        shm_core.create(4 << 20)
+    msg = str(info.value)
+    assert str(tiny_tmpfs) in msg and "4,194,304" in msg and "bytes free" in msg
+    assert "--shm-size" in msg and "file_descriptor" in msg
+    assert info.value.errno == 28 and isinstance(info.value, OSError)
+    assert os.listdir(tiny_tmpfs) == []
+    small = shm_core.create(1000)  # the process is fine and can still use it
+    small.unlink()
+    small.close()

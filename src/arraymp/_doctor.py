@@ -1,0 +1,65 @@
+"""``python -m arraymp doctor``: what this machine offers shared memory, and the fixes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import resource
+
+SMALL_SHM = 1 << 30  # below 1 GiB /dev/shm is small for array work (docker's default is 64 MiB)
+
+
+def _memfd_ok() -> bool:
+    from shm_core import _native
+
+    try:
+        os.close(_native.memfd_create("arraymp-doctor"))
+    except OSError:
+        return False
+    return True
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def report() -> tuple[list[str], list[str]]:
+    """(lines, warnings) describing this machine."""
+    lines, warnings = [], []
+    shm = os.environ.get("ARRAYMP_SHM_DIR", "/dev/shm")
+    try:
+        st = os.statvfs(shm)
+        size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+        lines.append(f"{shm}: {_gib(size)} total, {_gib(free)} free")
+        if size < SMALL_SHM:
+            warnings.append(f"{shm} is only {size >> 20} MiB: large arrays with the 'file_system' strategy will "
+                            f"not fit. Run docker with --shm-size=8g (or mount -o remount,size=8G {shm}), or keep "
+                            f"the default 'file_descriptor' strategy")
+    except OSError as exc:
+        warnings.append(f"{shm} is not usable ({exc}); set ARRAYMP_SHM_DIR to a tmpfs directory")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lines.append(f"open files limit (ulimit -n): {soft} (hard {hard})")
+    if soft < 4096:
+        warnings.append(f"ulimit -n is {soft}: raise it (ulimit -n {min(hard, 65536)}) if you keep many arrays alive")
+    memfd = _memfd_ok()
+    lines.append(f"memfd_create: {'yes' if memfd else 'no (falls back to unlinked files in ' + shm + ')'}")
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            lines.append(f"vm.max_map_count: {f.read().strip()}")
+    except OSError:
+        pass
+    lines.append(f"default start method: {multiprocessing.get_start_method(allow_none=True) or 'fork (unset)'}; "
+                 f"available: {', '.join(multiprocessing.get_all_start_methods())}")
+    return lines, warnings
+
+
+def main() -> int:
+    lines, warnings = report()
+    print("arraymp doctor")
+    for line in lines:
+        print("  " + line)
+    for w in warnings:
+        print("  WARNING: " + w)
+    if not warnings:
+        print("  all good")
+    return 0

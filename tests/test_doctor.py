@@ -1,0 +1,24 @@
+import subprocess
+import sys
+
+
+def test_doctor_reports_machine():
+    out = subprocess.run([sys.executable, "-m", "arraymp", "doctor"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for needle in ("/dev/shm", "ulimit -n", "memfd_create", "start method"):
+        assert needle in out.stdout
+
+
+def test_doctor_warns_about_small_shm(tmp_path):
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(tmp_path)], capture_output=True)
+    if r.returncode:
+        import pytest
+
+        pytest.skip(f"mounting a tmpfs is not permitted here: {r.stderr.decode().strip()}")
+    try:
+        env = {"ARRAYMP_SHM_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
+        out = subprocess.run([sys.executable, "-m", "arraymp", "doctor"], capture_output=True, text=True,
+                             timeout=60, env=env)
+        assert "WARNING" in out.stdout and "--shm-size" in out.stdout
+    finally:
+        subprocess.run(["umount", "--lazy", str(tmp_path)])
