@@ -1,9 +1,69 @@
-"""arraymp: multiprocessing for array programs."""
+"""arraymp: ``multiprocessing`` for array programs.
+
+``import arraymp as mp``: every public name of ``multiprocessing``, and the
+Queue, SimpleQueue, JoinableQueue, Pipe and Pool of ``mp`` and of
+``mp.get_context(...)`` move numpy arrays through shared memory instead of
+pickled copies. Importing arraymp registers the array reductions with the
+stdlib's ForkingPickler once, so stdlib queues and spawn-time Process arguments
+share arrays too. Also: sharing strategies, shared-array constructors, and the
+``spawn`` supervisor.
+"""
 
 import sys
 
 if not sys.platform.startswith("linux"):  # pragma: no cover
-    raise ImportError(f"arraymp supports Linux only; this is {sys.platform}")
+    raise ImportError(f"arraymp supports Linux only (memfd, SCM_RIGHTS, futex); this is {sys.platform}")
 
-__all__ = []
+import multiprocessing as _mp
+
+from mp_reductions import (
+    empty_shared,
+    get_all_sharing_strategies,
+    get_inline_threshold,
+    get_sharing_strategy,
+    init_reductions as _init_reductions,
+    is_shared,
+    set_inline_threshold,
+    set_sharing_strategy,
+    share_memory,
+    zeros_shared,
+)
+from mp_spawn import (
+    ProcessContext,
+    ProcessException,
+    ProcessExitedException,
+    ProcessRaisedException,
+    SpawnContext,
+    spawn,
+    start_processes,
+)
+
+from ._context import default_context as _default_context
+
+# Every public name of multiprocessing, then ours over it (the stdlib's own
+# __init__ copies its default context's bound methods the same way).
+globals().update({name: getattr(_mp, name) for name in _mp.__all__})
+globals().update({name: getattr(_default_context, name) for name in _mp.__all__ if hasattr(_default_context, name)})
+
+_init_reductions()
+
+__all__ = [
+    *_mp.__all__,
+    "ProcessContext",
+    "ProcessException",
+    "ProcessExitedException",
+    "ProcessRaisedException",
+    "SpawnContext",
+    "empty_shared",
+    "get_all_sharing_strategies",
+    "get_inline_threshold",
+    "get_sharing_strategy",
+    "is_shared",
+    "set_inline_threshold",
+    "set_sharing_strategy",
+    "share_memory",
+    "spawn",
+    "start_processes",
+    "zeros_shared",
+]
 __version__ = "0.1.0"

@@ -1,4 +1,40 @@
-"""mp-reductions (work in progress)."""
+"""mp-reductions: numpy arrays through multiprocessing by shared memory.
 
-__all__ = []
+Pickler reductions for ``numpy.ndarray`` (registered with the stdlib's
+``ForkingPickler`` by ``init_reductions()``), the two sharing strategies, the
+shared-array constructors, and Queue / SimpleQueue / JoinableQueue / Pipe whose
+messages carry their arrays' descriptors in the same sendmsg.
+"""
+
+from ._connection import Connection, Pipe
+from ._queues import JoinableQueue, Queue, SimpleQueue
+from ._reductions import init_reductions, rebuild_ndarray, reduce_ndarray
+from ._shared import empty_shared, is_shared, share_memory, zeros_shared
+from ._strategy import (
+    get_all_sharing_strategies,
+    get_inline_threshold,
+    get_sharing_strategy,
+    set_inline_threshold,
+    set_sharing_strategy,
+)
+
+__all__ = [
+    "Connection",
+    "JoinableQueue",
+    "Pipe",
+    "Queue",
+    "SimpleQueue",
+    "empty_shared",
+    "get_all_sharing_strategies",
+    "get_inline_threshold",
+    "get_sharing_strategy",
+    "init_reductions",
+    "is_shared",
+    "rebuild_ndarray",
+    "reduce_ndarray",
+    "set_inline_threshold",
+    "set_sharing_strategy",
+    "share_memory",
+    "zeros_shared",
+]
 __version__ = "0.1.0"

@@ -15,10 +15,10 @@ import socket
 _FD_SIZE = array.array("i").itemsize
 
 
-def send_fds(sock: socket.socket, buffers, fds=()) -> int:
+def send_fds(sock: socket.socket, buffers, fds=(), flags: int = 0) -> int:
     """Send ``buffers`` (a list of bytes-like) and ``fds`` in one sendmsg."""
     anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-    return sock.sendmsg(buffers, anc)
+    return sock.sendmsg(buffers, anc, flags)
 
 
 def recv_fds(sock: socket.socket, bufsize: int, maxfds: int, flags: int = 0) -> tuple[bytes, list[int], int]:

@@ -116,6 +116,9 @@ class Segment(_native.Mapping):
     name: str | None = None
     dir: str | None = None
     fd: int = -1
+    #: called with the segment just before it is unmapped for good (layers
+    #: above use it to drop their count of a named segment)
+    release_hook = None
 
     def __init__(self, fd: int, *, name: str | None = None, dir: str | None = None,
                  populate: bool = False, expected_size: int | None = None, fresh: bool = False):
@@ -187,6 +190,11 @@ class Segment(_native.Mapping):
     # -- lifecycle ---------------------------------------------------------
     def close(self) -> None:
         """Unmap (BufferError while views exist) and close a kept descriptor."""
+        if self.exports:
+            super().close()  # raises BufferError
+        hook, self.release_hook = self.release_hook, None
+        if hook is not None and not self.closed:
+            hook(self)
         super().close()
         self.close_fd()
 
@@ -201,6 +209,9 @@ class Segment(_native.Mapping):
             unlink(self.name, self.dir)
 
     def __del__(self):
+        hook, self.release_hook = self.release_hook, None
+        if hook is not None and not self.closed:
+            hook(self)
         if self.fd >= 0:
             os.close(self.fd)
 

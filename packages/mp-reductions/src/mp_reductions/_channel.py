@@ -1,0 +1,111 @@
+"""Messages over AF_UNIX SOCK_SEQPACKET sockets, descriptors in the same sendmsg.
+
+A seqpacket socket delivers each message whole and atomically, to exactly one
+reader, so several writers and several readers need no lock between them: a
+process killed anywhere leaves no lock held and no half message behind.
+
+Wire format of one message::
+
+    b"P" + pickle                      the pickle inline (up to INLINE bytes)
+    b"S" + 8-byte length               the pickle is in a memfd, the last descriptor
+
+with the descriptors of the arrays' segments as SCM_RIGHTS in the same sendmsg.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+
+import shm_core
+from multiprocessing.reduction import ForkingPickler
+
+from ._reductions import MAX_FDS, Incoming, Outgoing, message
+
+INLINE = 64 * 1024
+SOCKBUF = 1 << 20
+
+
+def socketpair() -> tuple[socket.socket, socket.socket]:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    for s in (a, b):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKBUF)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKBUF)
+    return a, b
+
+
+class Packet:
+    """One pickled message ready to send: its buffers, descriptors and keep-alives."""
+
+    __slots__ = ("buffers", "fds", "keep", "out")
+
+    def __init__(self, obj=None, *, raw: bytes | None = None):
+        out = self.out = Outgoing()
+        if raw is None:
+            buf = io.BytesIO()
+            with message(out):
+                try:
+                    ForkingPickler(buf, 4).dump(obj)
+                    out.finish()
+                except BaseException:
+                    out.abort()
+                    raise
+            payload = buf.getbuffer()
+        else:
+            payload = raw
+        self.fds, self.keep = out.fds, out.keep
+        if len(payload) <= INLINE:
+            self.buffers = [b"P", payload]
+        else:
+            spill = shm_core.create_anonymous(len(payload))
+            memoryview(spill)[:] = payload
+            self.fds = [*self.fds, spill.fd]
+            self.keep = [*self.keep, spill]
+            self.buffers = [b"S" + len(payload).to_bytes(8, "little")]
+
+    def send(self, sock: socket.socket, flags: int = 0) -> None:
+        shm_core.send_fds(sock, self.buffers, self.fds, flags)
+        self.keep = None
+
+    def send_nowait(self, sock: socket.socket) -> bool:
+        """Send unless the socket is full (then False: nothing was sent)."""
+        try:
+            self.send(sock, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        return True
+
+    def discard(self) -> None:
+        """Never sent: give back what the message held."""
+        self.out.abort()
+        self.keep = None
+
+
+def recv_raw(sock: socket.socket, flags: int = 0) -> tuple[bytes | memoryview, list[int]]:
+    """One message's pickle bytes and its array descriptors (raises BlockingIOError, EOFError)."""
+    data, fds, _ = shm_core.recv_fds(sock, INLINE + 16, MAX_FDS + 1, flags)
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        raise EOFError("the other end of the channel is closed")
+    if data[:1] == b"S":
+        n = int.from_bytes(data[1:9], "little")
+        spill_fd = fds.pop()
+        try:
+            seg = shm_core.attach_fd(spill_fd, expected_size=n)
+        finally:
+            os.close(spill_fd)
+        data = bytes(memoryview(seg))
+        seg.close()
+        return data, fds
+    return memoryview(data)[1:], fds
+
+
+def loads(data: bytes, fds: list[int]):
+    inc = Incoming(fds)
+    try:
+        with message(inc):
+            return ForkingPickler.loads(data)
+    finally:
+        inc.close()

@@ -1,0 +1,130 @@
+"""``Pipe()``: a pair of connections over a seqpacket socketpair (adapts multiprocessing/connection.py).
+
+Same API as the stdlib's ``Connection``; ``send`` carries the arrays'
+descriptors in the same sendmsg, so the receiver gets shared memory, not copies.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from multiprocessing import reduction
+
+from ._channel import Packet, loads, recv_raw, socketpair
+from ._queues import _wait_readable
+
+
+class Connection:
+    """One end of a ``Pipe``."""
+
+    _sock = None
+
+    def __init__(self, sock: socket.socket, readable: bool = True, writable: bool = True):
+        if not readable and not writable:
+            raise ValueError("at least one of `readable` and `writable` must be True")
+        self._sock, self._readable, self._writable = sock, readable, writable
+
+    def _check(self, readable: bool = False, writable: bool = False) -> None:
+        if self._sock is None:
+            raise OSError("handle is closed")
+        if readable and not self._readable:
+            raise OSError("connection is write-only")
+        if writable and not self._writable:
+            raise OSError("connection is read-only")
+
+    @property
+    def closed(self) -> bool:
+        return self._sock is None
+
+    @property
+    def readable(self) -> bool:
+        return self._readable
+
+    @property
+    def writable(self) -> bool:
+        return self._writable
+
+    def fileno(self) -> int:
+        self._check()
+        return self._sock.fileno()
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+    def send(self, obj) -> None:
+        self._check(writable=True)
+        Packet(obj).send(self._sock)
+
+    def recv(self):
+        self._check(readable=True)
+        return loads(*recv_raw(self._sock))
+
+    def send_bytes(self, buf, offset: int = 0, size: int | None = None) -> None:
+        self._check(writable=True)
+        m = memoryview(buf).cast("B")
+        if offset < 0 or offset > len(m):
+            raise ValueError("offset is negative or bigger than buffer")
+        size = len(m) - offset if size is None else size
+        if size < 0 or offset + size > len(m):
+            raise ValueError("size is negative or buffer too small")
+        Packet(raw=m[offset:offset + size]).send(self._sock)
+
+    def recv_bytes(self, maxlength: int | None = None) -> bytes:
+        self._check(readable=True)
+        if maxlength is not None and maxlength < 0:
+            raise ValueError("negative maxlength")
+        data, fds = recv_raw(self._sock)
+        _close_all(fds)
+        if maxlength is not None and len(data) > maxlength:
+            raise OSError("bad message length")
+        return bytes(data)
+
+    def recv_bytes_into(self, buf, offset: int = 0) -> int:
+        self._check(readable=True)
+        data, fds = recv_raw(self._sock)
+        _close_all(fds)
+        m = memoryview(buf).cast("B")
+        if offset < 0 or offset > len(m):
+            raise ValueError("negative offset or offset beyond buffer")
+        if len(data) > len(m) - offset:
+            from multiprocessing import BufferTooShort
+
+            raise BufferTooShort(bytes(data))
+        m[offset:offset + len(data)] = data
+        return len(data)
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        self._check(readable=True)
+        return _wait_readable(self._sock, timeout)
+
+    def __reduce__(self):
+        self._check()
+        return _rebuild_connection, (reduction.DupFd(self.fileno()), self._readable, self._writable)
+
+
+def _close_all(fds) -> None:
+    for fd in fds:  # a bytes message carries no descriptors; never leak any
+        os.close(fd)
+
+
+def _rebuild_connection(dupfd, readable, writable):
+    return Connection(socket.socket(fileno=dupfd.detach()), readable, writable)
+
+
+def Pipe(duplex: bool = True) -> tuple[Connection, Connection]:
+    """Two connected ends; ``duplex=False`` gives (receive-only, send-only) as the stdlib does."""
+    a, b = socketpair()
+    if duplex:
+        return Connection(a), Connection(b)
+    return Connection(a, writable=False), Connection(b, readable=False)

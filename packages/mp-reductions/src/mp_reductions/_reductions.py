@@ -1,0 +1,253 @@
+"""Pickler reductions for numpy arrays (adapts torch/multiprocessing/reductions.py).
+
+``reduce_ndarray`` decides how an array travels:
+
+- already in shared memory: as a handle (segment reference, offset, shape,
+  strides, dtype); no copy, a cost independent of its size;
+- smaller than the inline threshold, object dtype, or empty: inside the
+  pickle, exactly as the stdlib sends it;
+- otherwise: copied once into shared memory. On our channels every such array
+  of one message goes into one segment; elsewhere each gets its own.
+
+A segment reference is one of:
+
+    ("m", i)         the i-th descriptor of the message (our channels)
+    ("d", DupFd)     a descriptor passed by multiprocessing.reduction.DupFd
+                     (stdlib queues and pipes, Process arguments at spawn)
+    ("n", name, dir) a named segment (file_system strategy)
+
+Our channels set a per-thread message context around pickling (Outgoing) and
+unpickling (Incoming); the reducer and the rebuilder find it there.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from multiprocessing import context as mp_context
+from multiprocessing import reduction
+
+import numpy as np
+import shm_core
+
+from . import _shared
+from ._strategy import get_inline_threshold, get_sharing_strategy
+
+MAX_FDS = 250  # the kernel passes at most 253 descriptors in one message (SCM_MAX_FD)
+_tls = threading.local()
+
+
+class Outgoing:
+    """What a message being pickled needs besides its bytes: descriptors and copies."""
+
+    def __init__(self):
+        self.fds: list[int] = []
+        self.keep: list = []  # objects whose descriptors or counts must live until sent
+        self._index: dict[int, int] = {}
+        self._copies: list[tuple[np.ndarray, int]] = []
+        self._copy_size = 0
+        self._copy_ref = None
+
+    def fd_ref(self, seg: shm_core.Segment, fd: int) -> tuple:
+        i = self._index.get(id(seg))
+        if i is None:
+            if len(self.fds) >= MAX_FDS:
+                raise ValueError(f"one message can carry at most {MAX_FDS} shared-memory segments; pack the arrays "
+                                 "with arraymp.share_memory(...) (one segment for all) or send them in several messages")
+            i = self._index[id(seg)] = len(self.fds)
+            self.fds.append(fd)
+            self.keep.append(seg)
+        return ("m", i)
+
+    def named_ref(self, seg: shm_core.Segment) -> tuple:
+        if id(seg) not in self._index:
+            self._index[id(seg)] = -1
+            seg.incref()  # the in-flight count, see _shared Note [named segments]
+            self.keep.append(seg)
+        return ("n", seg.name, seg.dir)
+
+    def copy_ref(self, arr: np.ndarray) -> tuple[tuple, int]:
+        offset = self._copy_size
+        self._copy_size = _shared._aligned(offset + arr.nbytes)
+        self._copies.append((arr, offset))
+        if self._copy_ref is None:
+            if get_sharing_strategy() == "file_system":
+                self._copy_ref = ("n", _shared._manager().new_name(), shm_core.shm_dir())
+            else:
+                self._copy_ref = ("m", len(self.fds))
+                self.fds.append(-1)  # filled by finish()
+        return self._copy_ref, offset
+
+    def finish(self) -> None:
+        """Create the message's segment and copy the arrays into it."""
+        if not self._copies:
+            return
+        kind = self._copy_ref[0]
+        if kind == "n":
+            mgr = _shared._manager()
+            seg = shm_core.create(self._copy_size, name=self._copy_ref[1])
+            seg.incref()  # in flight; nobody here holds it
+            mgr.register(seg.name)
+        else:
+            seg = shm_core.create_anonymous(self._copy_size)
+            self.fds[self._copy_ref[1]] = seg.fd
+            self.keep.append(seg)
+        for arr, offset in self._copies:
+            np.copyto(seg.ndarray(arr.shape, arr.dtype, offset), arr, casting="no")
+        self._copies.clear()
+
+    def abort(self) -> None:
+        """The message will not be sent: give back the in-flight counts taken."""
+        for obj in self.keep:
+            if isinstance(obj, shm_core.Segment) and obj.name and self._index.get(id(obj)) == -1:
+                obj.decref()
+        self.keep.clear()
+
+
+class Incoming:
+    """The descriptors that came with a message, resolved to segments on first use."""
+
+    def __init__(self, fds: list[int]):
+        self.fds = fds
+        self.segments: dict[int, shm_core.Segment] = {}
+
+    def segment(self, i: int, size: int) -> shm_core.Segment:
+        seg = self.segments.get(i)
+        if seg is None:
+            if not 0 <= i < len(self.fds) or self.fds[i] < 0:
+                raise shm_core.SegmentError(f"handle names descriptor {i} but the message carried {len(self.fds)}")
+            fd, self.fds[i] = self.fds[i], -1
+            seg = self.segments[i] = _shared.attach_fd(fd, size, owned=True)
+        return seg
+
+    def close(self) -> None:
+        for fd in self.fds:
+            if fd >= 0:
+                os.close(fd)
+        self.fds = []
+
+
+class message:
+    """Context manager setting this thread's Outgoing or Incoming message."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+
+    def __enter__(self):
+        self.saved = getattr(_tls, "ctx", None)
+        _tls.ctx = self.ctx
+        return self.ctx
+
+    def __exit__(self, *exc):
+        _tls.ctx = self.saved
+
+
+def _current():
+    return getattr(_tls, "ctx", None)
+
+
+def _readonly(arr: np.ndarray) -> bool:
+    return not arr.flags.writeable
+
+
+def reduce_ndarray(arr: np.ndarray):
+    """The reduction of a numpy array (registered for ``numpy.ndarray`` itself)."""
+    if arr.dtype.hasobject:
+        return arr.__reduce__()
+    found = _shared.segment_of(arr)
+    ctx = _current()
+    if found is None:
+        if arr.nbytes < get_inline_threshold() or arr.nbytes == 0:
+            return arr.__reduce__()
+        if isinstance(ctx, Outgoing):
+            ref, offset = ctx.copy_ref(arr)
+            # size None: the message's segment grows while the message is pickled
+            return rebuild_ndarray, (ref, None, offset, arr.shape, None, arr.dtype, _readonly(arr))
+        arr = _shared.share_memory(arr)
+        found = _shared.segment_of(arr)
+    seg, offset = found
+    strides = None if arr.flags.c_contiguous else arr.strides
+    if seg.name:
+        ref = ctx.named_ref(seg) if isinstance(ctx, Outgoing) else _named_ref_alone(seg)
+    else:
+        fd = _shared.fd_for_sending(seg)
+        if fd < 0:
+            _shared.warn_copy_resend()
+            return reduce_ndarray(np.array(arr, copy=True))
+        ref = ctx.fd_ref(seg, fd) if isinstance(ctx, Outgoing) else ("d", _dupfd(fd))
+    return rebuild_ndarray, (ref, seg.size, offset, arr.shape, strides, arr.dtype, _readonly(arr))
+
+
+def _dupfd(fd: int):
+    """One DupFd per descriptor per spawning: the spawn launcher rejects a descriptor passed twice."""
+    popen = mp_context.get_spawning_popen()
+    if popen is None:
+        return reduction.DupFd(fd)
+    table = popen.__dict__.setdefault("_arraymp_dupfds", {})
+    if fd not in table:
+        table[fd] = reduction.DupFd(fd)
+    return table[fd]
+
+
+def _named_ref_alone(seg):
+    seg.incref()  # in flight; the receiver takes it over
+    return ("n", seg.name, seg.dir)
+
+
+def _segment_for(ref, size: int) -> shm_core.Segment:
+    kind = ref[0]
+    if kind == "m":
+        ctx = _current()
+        if not isinstance(ctx, Incoming):
+            raise shm_core.SegmentError("a message-descriptor handle was unpickled outside an arraymp channel")
+        return ctx.segment(ref[1], size)
+    if kind == "d":
+        return _shared.attach_fd(ref[1].detach(), size, owned=True)
+    if kind == "n":
+        return _shared.attach_named(ref[1], ref[2], size)
+    raise shm_core.SegmentError(f"unknown segment reference {ref!r}")
+
+
+def _check_extent(size: int, offset: int, shape, strides, itemsize: int) -> None:
+    lo = hi = offset
+    if all(n > 0 for n in shape):
+        for n, st in zip(shape, strides):
+            if st < 0:
+                lo += st * (n - 1)
+            else:
+                hi += st * (n - 1)
+        hi += itemsize
+    if offset < 0 or lo < 0 or hi > size:
+        raise shm_core.SegmentError(f"array handle out of bounds: offset {offset}, shape {tuple(shape)}, strides "
+                                    f"{tuple(strides)} span bytes [{lo}, {hi}) of a {size}-byte segment "
+                                    "(forged or corrupted handle)")
+
+
+def rebuild_ndarray(ref, size, offset, shape, strides, dtype, readonly):
+    """Rebuild a shared array: a view of the segment ``ref`` names."""
+    dtype = np.dtype(dtype)
+    if strides is None:
+        strides = _c_strides(shape, dtype.itemsize)
+    if len(strides) != len(shape):
+        raise shm_core.SegmentError(f"array handle has {len(shape)} dimensions but {len(strides)} strides")
+    seg = _segment_for(ref, size)
+    _check_extent(seg.size, offset, shape, strides, dtype.itemsize)
+    return seg.ndarray(shape, dtype, offset, strides, readonly=readonly)
+
+
+def _c_strides(shape, itemsize):
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def init_reductions() -> None:
+    """Register the array reductions with ``multiprocessing.reduction.ForkingPickler`` (once)."""
+    reduction.ForkingPickler.register(np.ndarray, reduce_ndarray)
+    try:
+        import shm_cuda
+    except ImportError:
+        return
+    shm_cuda.init_reductions(reduction.ForkingPickler.register)

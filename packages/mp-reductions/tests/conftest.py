@@ -1,0 +1,47 @@
+import gc
+import multiprocessing
+import os
+import time
+
+import pytest
+
+import mp_reductions
+
+
+def ours():
+    return {n for n in os.listdir("/dev/shm") if n.startswith("arraymp_")}
+
+
+def nfds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def reductions():
+    mp_reductions.init_reductions()
+
+
+@pytest.fixture(params=["file_descriptor", "file_system"])
+def strategy(request):
+    old = mp_reductions.get_sharing_strategy()
+    mp_reductions.set_sharing_strategy(request.param)
+    yield request.param
+    mp_reductions.set_sharing_strategy(old)
+
+
+@pytest.fixture(autouse=True)
+def leak_check():
+    """No segment left in /dev/shm, descriptors back to baseline +-5, no child left running."""
+    shm_before, fds_before = ours(), nfds()
+    yield
+    deadline = time.monotonic() + 5
+    while True:
+        gc.collect()
+        children = multiprocessing.active_children()
+        left = ours() - shm_before
+        if not left and not children and nfds() <= fds_before + 5 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not children, f"children still running: {children}"
+    assert not left, f"segments left in /dev/shm: {sorted(left)}"
+    assert nfds() <= fds_before + 5, f"descriptors: {fds_before} before, {nfds()} after"

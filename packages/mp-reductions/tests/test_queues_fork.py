@@ -1,0 +1,5 @@
+from _suite import QueueSuite
+
+
+class TestQueuesFork(QueueSuite):
+    method = "fork"

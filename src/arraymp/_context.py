@@ -1,0 +1,92 @@
+"""Contexts: the stdlib's, with our Queue / SimpleQueue / JoinableQueue / Pipe / Pool
+(adapts multiprocessing/context.py).
+
+Every factory is a lazy method, as in the stdlib; ``get_context(method)``
+returns our context for that start method. The default context follows the
+stdlib's start method, so ``arraymp.set_start_method`` and
+``multiprocessing.set_start_method`` are one setting, as in torch.multiprocessing.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from multiprocessing import context as mpc
+
+
+class _ArrayContext:
+    """Mixed into each stdlib context: the channels that move arrays by shared memory."""
+
+    def Queue(self, maxsize=0):
+        from mp_reductions import Queue
+
+        return Queue(maxsize, ctx=self.get_context())
+
+    def JoinableQueue(self, maxsize=0):
+        from mp_reductions import JoinableQueue
+
+        return JoinableQueue(maxsize, ctx=self.get_context())
+
+    def SimpleQueue(self):
+        from mp_reductions import SimpleQueue
+
+        return SimpleQueue(ctx=self.get_context())
+
+    def Pipe(self, duplex=True):
+        from mp_reductions import Pipe
+
+        return Pipe(duplex)
+
+    def get_context(self, method=None):
+        if method is None:
+            return self
+        return _CONTEXTS[method] if method in _CONTEXTS else super().get_context(method)
+
+
+class ForkContext(_ArrayContext, mpc.ForkContext):
+    pass
+
+
+class SpawnContext(_ArrayContext, mpc.SpawnContext):
+    pass
+
+
+class ForkServerContext(_ArrayContext, mpc.ForkServerContext):
+    pass
+
+
+_CONTEXTS = {"fork": ForkContext(), "spawn": SpawnContext(), "forkserver": ForkServerContext()}
+
+
+class DefaultContext(_ArrayContext, mpc.BaseContext):
+    """The context behind ``arraymp.Queue`` etc.: our context for the stdlib's current start method."""
+
+    Process = multiprocessing.Process
+
+    def get_context(self, method=None):
+        if method is None:
+            method = multiprocessing.get_start_method()
+        try:
+            return _CONTEXTS[method]
+        except KeyError:
+            raise ValueError(f"cannot find context for {method!r}; valid ones are: {', '.join(_CONTEXTS)}") from None
+
+    def set_start_method(self, method, force=False):
+        multiprocessing.set_start_method(method, force)
+
+    def get_start_method(self, allow_none=False):
+        return multiprocessing.get_start_method(allow_none)
+
+    def get_all_start_methods(self):
+        return multiprocessing.get_all_start_methods()
+
+    def Queue(self, maxsize=0):
+        return self.get_context().Queue(maxsize)
+
+    def JoinableQueue(self, maxsize=0):
+        return self.get_context().JoinableQueue(maxsize)
+
+    def SimpleQueue(self):
+        return self.get_context().SimpleQueue()
+
+
+default_context = DefaultContext()
