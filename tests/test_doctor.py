@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -16,7 +17,7 @@ def test_doctor_warns_about_small_shm(tmp_path):
 
         pytest.skip(f"mounting a tmpfs is not permitted here: {r.stderr.decode().strip()}")
     try:
-        env = {"ARRAYMP_SHM_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
+        env = dict(os.environ, ARRAYMP_SHM_DIR=str(tmp_path))
         out = subprocess.run([sys.executable, "-m", "arraymp", "doctor"], capture_output=True, text=True,
                              timeout=60, env=env)
         assert "WARNING" in out.stdout and "--shm-size" in out.stdout

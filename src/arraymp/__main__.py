@@ -10,12 +10,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m arraymp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="report /dev/shm size and free space, ulimit -n, memfd, start method")
+    demo = sub.add_parser("demo", help="run a pipeline and a pool over real arrays, against plain pickling")
+    demo.add_argument("--quick", action="store_true", help="a quarter of the work")
     args = parser.parse_args(argv)
     if args.command == "doctor":
         from ._doctor import main as doctor
 
         return doctor()
-    return 2
+    from ._demo import main as demo_main
+
+    return demo_main(quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from multiprocessing import reduction
 
 from ._channel import Packet, loads, recv_raw, socketpair
 from ._queues import _wait_readable
+from ._reductions import init_reductions
 
 
 class Connection:
@@ -119,6 +120,7 @@ def _close_all(fds) -> None:
 
 
 def _rebuild_connection(dupfd, readable, writable):
+    init_reductions()
     return Connection(socket.socket(fileno=dupfd.detach()), readable, writable)
 
 

@@ -37,6 +37,7 @@ from multiprocessing import reduction, util
 import shm_core
 
 from ._channel import Packet, loads, recv_raw, socketpair
+from ._reductions import init_reductions
 
 _COUNT = shm_core.HEADER_SIZE  # items put and not yet got
 _UNFINISHED = _COUNT + 8  # JoinableQueue: items put and not yet task_done()
@@ -60,32 +61,43 @@ def _attach_state(fd: int) -> shm_core.Segment:
 
 
 class SimpleQueue:
-    """``multiprocessing.SimpleQueue`` whose arrays travel by shared memory."""
+    """``multiprocessing.SimpleQueue`` whose arrays travel by shared memory.
+
+    Like the stdlib's, it exposes ``_reader`` / ``_writer`` connections, so
+    ``multiprocessing.pool.Pool`` runs on it; ``_rlock`` / ``_wlock`` are
+    per-process locks only: the socket needs none between processes.
+    """
 
     def __init__(self, *, ctx=None):
-        self._reader, self._writer = socketpair()
-        self._closed = False
+        from ._connection import Connection
+
+        a, b = socketpair()
+        self._reader, self._writer = Connection(a, writable=False), Connection(b, readable=False)
+        self._reset()
+
+    def _reset(self):
+        self._rlock, self._wlock = threading.Lock(), threading.Lock()
+        self._poll = self._reader.poll
 
     def __getstate__(self):
         mp_context.assert_spawning(self)
         return self._reader, self._writer
 
     def __setstate__(self, state):
+        init_reductions()  # a process that receives our channel sends arrays by shared memory too
         self._reader, self._writer = state
-        self._closed = False
+        self._reset()
 
     def empty(self) -> bool:
-        return not _wait_readable(self._reader, 0)
+        return not self._reader.poll()
 
     def put(self, obj) -> None:
-        Packet(obj).send(self._writer)
+        self._writer.send(obj)
 
     def get(self):
-        data, fds = recv_raw(self._reader)
-        return loads(data, fds)
+        return self._reader.recv()
 
     def close(self) -> None:
-        self._closed = True
         self._reader.close()
         self._writer.close()
 
@@ -112,6 +124,7 @@ class Queue:
         return self._maxsize, self._reader, self._writer, reduction.DupFd(self._state.fd)
 
     def __setstate__(self, state):
+        init_reductions()
         self._maxsize, self._reader, self._writer, dupfd = state
         self._state = _attach_state(dupfd.detach())
         self._reset()

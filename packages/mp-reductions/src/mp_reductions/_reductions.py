@@ -244,7 +244,13 @@ def _c_strides(shape, itemsize):
 
 
 def init_reductions() -> None:
-    """Register the array reductions with ``multiprocessing.reduction.ForkingPickler`` (once)."""
+    """Register the array reductions with ``multiprocessing.reduction.ForkingPickler`` (once).
+
+    Called by ``import arraymp``, and when a process receives one of our
+    channels, so a spawned child sends arrays by shared memory too.
+    """
+    if reduction.ForkingPickler._extra_reducers.get(np.ndarray) is reduce_ndarray:
+        return
     reduction.ForkingPickler.register(np.ndarray, reduce_ndarray)
     try:
         import shm_cuda

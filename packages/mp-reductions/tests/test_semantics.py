@@ -1,0 +1,311 @@
+"""Single-process semantics: what arrives, over which memory, and the errors."""
+
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import shm_core
+
+import mp_reductions as mpr
+from mp_reductions._reductions import rebuild_ndarray
+from mp_reductions._shared import segment_of
+
+DTYPES = [np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,
+          np.float16, np.float32, np.float64, np.longdouble, np.complex64, np.complex128,
+          "datetime64[ns]", "timedelta64[s]", ">i4", ">f8", [("a", "<i4"), ("b", ">f8", (2,))], "S5", "U3"]
+
+
+def roundtrip(obj):
+    q = mpr.Queue()
+    q.put(obj)
+    return q.get(timeout=10)
+
+
+def sample(dtype, shape):
+    raw = np.random.default_rng(0).integers(0, 255, size=int(np.prod(shape)) * np.dtype(dtype).itemsize,
+                                            dtype=np.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["inline", "copied", "shared"])
+def test_dtypes_roundtrip(dtype, kind, strategy):
+    shape = (3, 5) if kind == "inline" else (300, 300)
+    a = sample(dtype, shape)
+    if kind == "shared":
+        a = mpr.share_memory(a)
+    b = roundtrip(a)
+    expected = pickle.loads(pickle.dumps(a)) if kind == "inline" else a  # inline: exactly as the stdlib
+    assert b.dtype == expected.dtype and b.shape == a.shape
+    assert b.tobytes() == expected.tobytes()
+    assert mpr.is_shared(b) == (kind != "inline")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: np.asfortranarray(np.arange(200_000.0).reshape(400, 500)),
+    lambda: np.arange(400_000.0).reshape(400, 1000)[::3, 1::7],
+    lambda: np.arange(400_000.0)[::-2],
+    lambda: np.float64(3.5) * np.ones(()),
+    lambda: np.zeros((0, 7)),
+])
+def test_layouts_roundtrip(make, strategy):
+    a = make()
+    for x in (a, mpr.share_memory(a) if a.size else a):
+        b = roundtrip(x)
+        assert b.shape == x.shape and b.dtype == x.dtype and np.array_equal(b, x)
+
+
+def test_views_of_one_segment_arrive_aliased_over_one_mapping(strategy):
+    x = mpr.share_memory(np.arange(20.0).reshape(4, 5))
+    got = roundtrip([x, x[2], x[:, 1]])
+    assert [g.tolist() for g in got] == [x.tolist(), x[2].tolist(), x[:, 1].tolist()]
+    segs = {id(segment_of(g)[0]) for g in got}
+    assert segs == {id(segment_of(x)[0])}  # one mapping, and the sender's own: same memory
+    got[1][1] = -5
+    assert x[2, 1] == -5 and got[0][2, 1] == -5 and got[2][2] == -5
+
+
+def test_unshared_large_arrays_of_one_message_share_one_segment(strategy):
+    arrays = [np.full(50_000, i, np.float32) for i in range(5)]
+    got = roundtrip(arrays)
+    assert [int(g[0]) for g in got] == list(range(5))
+    assert len({id(segment_of(g)[0]) for g in got}) == 1
+    got[0][0] = 99
+    assert arrays[0][0] == 0  # a copy was sent
+
+
+def test_small_arrays_travel_inline_like_the_stdlib():
+    a = np.arange(10)
+    assert pickle.loads(pickle.dumps(a)).tolist() == roundtrip(a).tolist()
+    assert not mpr.is_shared(roundtrip(a))
+    mpr.set_inline_threshold(0)
+    try:
+        assert mpr.is_shared(roundtrip(a))
+    finally:
+        mpr.set_inline_threshold(64 * 1024)
+    with pytest.raises(ValueError):
+        mpr.set_inline_threshold(-1)
+
+
+def test_zero_size_and_0d():
+    for a in (np.zeros((0,)), np.zeros((3, 0, 2), np.int8), np.array(7.0)):
+        s = mpr.share_memory(a)
+        b = roundtrip(s)
+        assert b.shape == a.shape and np.array_equal(a, b)
+    assert roundtrip(mpr.empty_shared((0,))).shape == (0,)
+
+
+def test_is_shared_before_and_after_share_memory():
+    a = np.ones((100, 100))
+    assert not mpr.is_shared(a)
+    s = mpr.share_memory(a)
+    assert mpr.is_shared(s) and mpr.is_shared(s[3:, ::2]) and np.array_equal(a, s)
+    assert mpr.share_memory(s) is s
+    d = mpr.share_memory({"w": a, "b": [np.zeros(3), (np.ones(2), "x")], "n": 1})
+    assert mpr.is_shared(d["w"]) and mpr.is_shared(d["b"][0]) and mpr.is_shared(d["b"][1][0])
+    assert d["n"] == 1 and d["b"][1][1] == "x"
+    assert segment_of(d["w"])[0] is segment_of(d["b"][0])[0]  # one segment for the whole dict
+
+
+def test_readonly_stays_readonly(strategy):
+    a = mpr.share_memory(np.arange(100_000))
+    a.flags.writeable = False
+    b = roundtrip(a)
+    assert not b.flags.writeable
+    c = np.arange(100_000)
+    c.flags.writeable = False
+    assert not roundtrip(c).flags.writeable
+    assert roundtrip(mpr.share_memory(np.arange(100_000))).flags.writeable
+
+
+def test_object_dtype_and_subclasses_pickle_as_stdlib():
+    o = np.array([{"a": 1}, None, "x"] * 30_000, dtype=object)
+    assert roundtrip(o).tolist() == o.tolist()
+    m = np.ma.masked_array(np.arange(100_000.0), mask=np.arange(100_000) % 2 == 0)
+    r = roundtrip(m)
+    assert isinstance(r, np.ma.MaskedArray) and (r.mask == m.mask).all()
+    rec = np.rec.array([(1, 2.0)] * 10_000, dtype=[("x", "i4"), ("y", "f8")])
+    assert isinstance(roundtrip(rec), np.recarray)
+
+
+def test_unpicklable_fails_like_pickle():
+    q = mpr.Queue()
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        q.put(lambda: 1)
+    assert q.qsize() == 0 and q.empty()
+    q.put(1)  # still usable
+    assert q.get(timeout=5) == 1
+
+
+def test_sharing_strategies_api():
+    assert mpr.get_all_sharing_strategies() == {"file_descriptor", "file_system"}
+    assert mpr.get_sharing_strategy() == "file_descriptor"
+    with pytest.raises(ValueError, match="file_descriptor, file_system"):
+        mpr.set_sharing_strategy("cuda_ipc")
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(offset=-8), "out of bounds"),
+    (dict(offset=4096), "out of bounds"),
+    (dict(shape=(100, 100), strides=(800, 8)), "out of bounds"),
+    (dict(strides=(-8,)), "out of bounds"),
+    (dict(strides=(8, 8)), "dimensions"),
+])
+def test_forged_handles_raise_clearly(bad, message):
+    x = mpr.share_memory(np.zeros(512))
+    seg, off = segment_of(x)
+    args = dict(ref=("n", "nope", "/dev/shm"), size=seg.size, offset=off, shape=(512,), strides=(8,),
+                dtype=np.dtype("f8"), readonly=False)
+    args["ref"] = ("d", _FakeDup(os.dup(seg.fd)))
+    args.update(bad)
+    with pytest.raises(shm_core.SegmentError, match=message):
+        rebuild_ndarray(**args)
+
+
+class _FakeDup:
+    def __init__(self, fd):
+        self.fd = fd
+
+    def detach(self):
+        return self.fd
+
+
+def test_wrong_size_and_missing_segment_raise_clearly(tmp_path):
+    x = mpr.share_memory(np.zeros(512))
+    seg, _ = segment_of(x)
+    with pytest.raises(shm_core.SegmentError, match="handle says"):
+        rebuild_ndarray(("d", _FakeDup(os.dup(seg.fd))), seg.size + 8, 0, (1,), None, "f8", False)
+    with pytest.raises(FileNotFoundError, match="no longer exists"):
+        rebuild_ndarray(("n", "arraymp_0_x_1_gone", str(tmp_path)), 8, 0, (1,), None, "f8", False)
+    (tmp_path / "foreign").write_bytes(b"x" * 200)
+    with pytest.raises(shm_core.SegmentError, match="bad magic"):
+        rebuild_ndarray(("n", "foreign", str(tmp_path)), 136, 0, (1,), None, "f8", False)
+
+
+def test_queue_api_like_stdlib():
+    q = mpr.Queue(maxsize=2)
+    q.put(1)
+    q.put_nowait(2)
+    assert q.full() and q.qsize() == 2
+    with pytest.raises(queue.Full):
+        q.put(3, timeout=0.05)
+    with pytest.raises(queue.Full):
+        q.put_nowait(3)
+    assert q.get() == 1 and q.get_nowait() == 2
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0.05)
+    with pytest.raises(queue.Empty):
+        q.get_nowait()
+    q.close()
+    q.join_thread()
+    with pytest.raises(ValueError, match="is closed"):
+        q.put(1)
+
+
+def test_feeder_thread_carries_a_full_socket():
+    q = mpr.Queue()
+    blobs = [os.urandom(60_000) for _ in range(200)]  # more than the socket holds
+    for b in blobs:
+        q.put(b)
+    assert [q.get(timeout=10) for _ in blobs] == blobs
+    q.close()
+    q.join_thread()
+
+
+def test_joinable_queue():
+    import threading
+
+    q = mpr.JoinableQueue()
+    for i in range(5):
+        q.put(i)
+
+    def work():
+        for _ in range(5):
+            q.get()
+            q.task_done()
+    t = threading.Thread(target=work)
+    t.start()
+    q.join()
+    t.join()
+    with pytest.raises(ValueError, match="too many"):
+        q.task_done()
+
+
+def test_simple_queue_and_big_pickles():
+    q = mpr.SimpleQueue()
+    assert q.empty()
+    big = {"k": list(range(200_000))}  # a pickle larger than one socket message
+    q.put(big)
+    assert not q.empty() and q.get() == big
+    q.close()
+
+
+def test_pipe_api():
+    a, b = mpr.Pipe(duplex=False)
+    assert a.readable and not a.writable and b.writable and not b.readable
+    with pytest.raises(OSError):
+        a.send(1)
+    b.send_bytes(b"hello world", 6, 5)
+    assert a.poll(1) and a.recv_bytes() == b"world"
+    b.send_bytes(b"toolong")
+    with pytest.raises(OSError, match="bad message length"):
+        a.recv_bytes(3)
+    b.send_bytes(b"abc")
+    buf = bytearray(5)
+    assert a.recv_bytes_into(buf, 1) == 3 and buf == b"\0abc\0"
+    b.close()
+    with pytest.raises(EOFError):
+        a.recv()
+    a.close()
+    assert a.closed
+
+
+DESCRIPTOR_SCRIPT = """
+import os, resource, sys
+import numpy as np
+import multiprocessing as mp
+import mp_reductions as mpr
+
+def produce(q, n):
+    mpr.init_reductions()
+    for i in range(n):
+        a = mpr.empty_shared((16,), np.int64)
+        a[:] = i
+        q.put(a)
+    q.put(None)
+    q.close(); q.join_thread()
+
+if __name__ == "__main__":
+    mpr.init_reductions()
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+    q = mpr.Queue()
+    base = len(os.listdir("/proc/self/fd"))
+    p = mp.get_context("spawn").Process(target=produce, args=(q, 20_000))
+    p.start()
+    kept = []
+    while (a := q.get(timeout=120)) is not None:
+        kept.append(a)
+    p.join()
+    fds = len(os.listdir("/proc/self/fd"))
+    assert len(kept) == 20_000 and all(int(a[0]) == i for i, a in enumerate(kept)), "wrong data"
+    q2 = mpr.Queue()
+    q2.put(kept[0]); q2.put(kept[-1])
+    r0, r1 = q2.get(timeout=10), q2.get(timeout=10)
+    r0[1] = -1
+    assert kept[0][1] == -1 and int(r1[0]) == 19_999
+    print(base, fds, p.exitcode)
+"""
+
+
+def test_no_descriptor_exhaustion_with_20000_live_received_arrays(tmp_path):
+    script = tmp_path / "fds.py"
+    script.write_text(textwrap.dedent(DESCRIPTOR_SCRIPT))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    base, fds, code = map(int, out.stdout.split())
+    assert code == 0 and fds < base + 32, (base, fds)

@@ -1,0 +1,96 @@
+import multiprocessing
+import subprocess
+import sys
+from multiprocessing.reduction import ForkingPickler
+
+import numpy as np
+import pytest
+
+import _work
+import arraymp as mp
+import mp_reductions
+
+
+def test_every_stdlib_name_is_there():
+    missing = [n for n in multiprocessing.__all__ if not hasattr(mp, n)]
+    assert missing == []
+    assert set(multiprocessing.__all__) <= set(mp.__all__)
+    assert mp.Process is multiprocessing.Process and mp.cpu_count() == multiprocessing.cpu_count()
+
+
+@pytest.mark.parametrize("method", ["spawn", "fork", "forkserver"])
+def test_contexts_are_ours(method):
+    ctx = mp.get_context(method)
+    assert ctx.get_start_method() == method
+    assert isinstance(ctx.Queue(), mp_reductions.Queue)
+    assert isinstance(ctx.JoinableQueue(), mp_reductions.JoinableQueue)
+    q = ctx.SimpleQueue()
+    assert isinstance(q, mp_reductions.SimpleQueue)
+    q.close()
+    a, b = ctx.Pipe()
+    assert isinstance(a, mp_reductions.Connection)
+    a.close()
+    b.close()
+    assert ctx.get_context() is ctx and mp.get_context(method) is ctx
+    with pytest.raises(ValueError):
+        mp.get_context("threads")
+
+
+def test_default_context_follows_the_stdlib_start_method():
+    assert mp.get_start_method() == multiprocessing.get_start_method()
+    assert mp.get_context().get_start_method() == multiprocessing.get_start_method()
+    assert isinstance(mp.Queue(), mp_reductions.Queue)
+
+
+def test_reductions_registered_once_with_forkingpickler():
+    assert ForkingPickler._extra_reducers[np.ndarray] is mp_reductions.reduce_ndarray
+    x = mp.zeros_shared((10,))
+    y = ForkingPickler.loads(ForkingPickler.dumps(x))
+    y[0] = 1
+    assert x[0] == 1
+
+
+def test_sharing_strategy_api():
+    assert mp.get_all_sharing_strategies() == {"file_descriptor", "file_system"}
+    assert mp.get_sharing_strategy() == "file_descriptor"
+    with pytest.raises(ValueError, match="valid ones are: file_descriptor, file_system"):
+        mp.set_sharing_strategy("nope")
+
+
+def test_shared_constructors():
+    a = mp.empty_shared((3, 4), np.int32)
+    z = mp.zeros_shared((3, 4), np.int32, order="F")
+    assert mp.is_shared(a) and mp.is_shared(z) and (z == 0).all() and z.flags.f_contiguous
+    assert not mp.is_shared(np.zeros(3)) and not mp.is_shared([1, 2])
+    with pytest.raises(TypeError, match="Python objects"):
+        mp.empty_shared(3, object)
+
+
+@pytest.mark.parametrize("method", ["spawn", "fork", "forkserver"])
+def test_pool_moves_arrays_like_serial(method):
+    with mp.get_context(method).Pool(2) as pool:
+        got = pool.map(_work.double, [np.full(50_000, i, np.float64) for i in range(8)])
+        assert [float(g[0]) for g in got] == [2.0 * i for i in range(8)]
+        assert all(mp.is_shared(g) for g in got)  # results came back through shared memory
+        assert [r[0][0, 0] for r in pool.imap(_work.make, range(6))] == list(range(6))
+        assert pool.apply_async(_work.double, (np.ones(3),)).get(30).tolist() == [2, 2, 2]
+    pool.join()
+
+
+def test_spawn_is_reexported():
+    import mp_spawn
+
+    assert mp.spawn is mp_spawn.spawn and mp.start_processes is mp_spawn.start_processes
+    assert mp.ProcessRaisedException is mp_spawn.ProcessRaisedException
+
+
+def test_main_module_runs():
+    out = subprocess.run([sys.executable, "-m", "arraymp", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "doctor" in out.stdout and "demo" in out.stdout
+
+
+def test_demo_quick_runs():
+    out = subprocess.run([sys.executable, "-m", "arraymp", "demo", "--quick"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "speed-up" in out.stdout and "pipeline" in out.stdout and "pool" in out.stdout
