@@ -3,12 +3,12 @@ import subprocess
 import sys
 from multiprocessing.reduction import ForkingPickler
 
+import _work
+import mp_reductions
 import numpy as np
 import pytest
 
-import _work
 import arraymp as mp
-import mp_reductions
 
 
 def test_every_stdlib_name_is_there():

@@ -21,12 +21,14 @@ from mp_reductions import (
     get_all_sharing_strategies,
     get_inline_threshold,
     get_sharing_strategy,
-    init_reductions as _init_reductions,
     is_shared,
     set_inline_threshold,
     set_sharing_strategy,
     share_memory,
     zeros_shared,
+)
+from mp_reductions import (
+    init_reductions as _init_reductions,
 )
 from mp_spawn import (
     ProcessContext,

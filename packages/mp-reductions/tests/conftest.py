@@ -3,9 +3,8 @@ import multiprocessing
 import os
 import time
 
-import pytest
-
 import mp_reductions
+import pytest
 
 
 def ours():

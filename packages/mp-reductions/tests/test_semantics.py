@@ -7,11 +7,10 @@ import subprocess
 import sys
 import textwrap
 
+import mp_reductions as mpr
 import numpy as np
 import pytest
 import shm_core
-
-import mp_reductions as mpr
 from mp_reductions._reductions import rebuild_ndarray
 from mp_reductions._shared import segment_of
 

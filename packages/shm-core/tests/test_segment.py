@@ -6,7 +6,6 @@ import textwrap
 
 import numpy as np
 import pytest
-
 import shm_core
 
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 import io
 import os
 import socket
+from multiprocessing.reduction import ForkingPickler
 
 import shm_core
-from multiprocessing.reduction import ForkingPickler
 
 from ._reductions import MAX_FDS, Incoming, Outgoing, message
 

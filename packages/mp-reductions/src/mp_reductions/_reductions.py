@@ -52,8 +52,9 @@ class Outgoing:
         i = self._index.get(id(seg))
         if i is None:
             if len(self.fds) >= MAX_FDS:
-                raise ValueError(f"one message can carry at most {MAX_FDS} shared-memory segments; pack the arrays "
-                                 "with arraymp.share_memory(...) (one segment for all) or send them in several messages")
+                raise ValueError(f"one message can carry at most {MAX_FDS} shared-memory segments; pack the "
+                                 "arrays with arraymp.share_memory(...) (one segment for all) or send them in "
+                                 "several messages")
             i = self._index[id(seg)] = len(self.fds)
             self.fds.append(fd)
             self.keep.append(seg)
@@ -118,6 +119,13 @@ class Incoming:
                 raise shm_core.SegmentError(f"handle names descriptor {i} but the message carried {len(self.fds)}")
             fd, self.fds[i] = self.fds[i], -1
             seg = self.segments[i] = _shared.attach_fd(fd, size, owned=True)
+        return seg
+
+    def named(self, name: str, dir: str, size: int | None) -> shm_core.Segment:
+        # one in-flight count per segment per message, see Outgoing.named_ref
+        seg = self.segments.get(name)
+        if seg is None:
+            seg = self.segments[name] = _shared.attach_named(name, dir, size)
         return seg
 
     def close(self) -> None:
@@ -204,6 +212,9 @@ def _segment_for(ref, size: int) -> shm_core.Segment:
     if kind == "d":
         return _shared.attach_fd(ref[1].detach(), size, owned=True)
     if kind == "n":
+        ctx = _current()
+        if isinstance(ctx, Incoming):
+            return ctx.named(ref[1], ref[2], size)
         return _shared.attach_named(ref[1], ref[2], size)
     raise shm_core.SegmentError(f"unknown segment reference {ref!r}")
 
@@ -211,7 +222,7 @@ def _segment_for(ref, size: int) -> shm_core.Segment:
 def _check_extent(size: int, offset: int, shape, strides, itemsize: int) -> None:
     lo = hi = offset
     if all(n > 0 for n in shape):
-        for n, st in zip(shape, strides):
+        for n, st in zip(shape, strides, strict=True):
             if st < 0:
                 lo += st * (n - 1)
             else:

@@ -32,6 +32,7 @@ import os
 import threading
 import warnings
 import weakref
+from multiprocessing import util
 
 import numpy as np
 import shm_core
@@ -72,10 +73,34 @@ _table = _Table()
 
 
 def _after_fork_in_child():
-    global _table, _arena
-    # Same segments, fresh lock; the parent's arena must not be carved twice.
+    global _arena
+    # Same segments, fresh lock; the parent's arena must not be carved twice;
+    # the child now holds the named segments it inherited, so it counts them.
     _table.lock = threading.Lock()
     _arena = _Arena()
+    for key, seg in list(_table.segments.items()):
+        if key[0] == "n" and seg.release_hook is not None:
+            seg.incref()
+
+
+def _release_all_named() -> None:
+    """At process exit: give back this process's counts (a child exits without running __del__)."""
+    for key, seg in list(_table.segments.items()):
+        if key[0] == "n":
+            hook, seg.release_hook = seg.release_hook, None
+            if hook is not None:
+                hook(seg)
+
+
+_exit_hook_pid = None
+
+
+def _ensure_exit_hook(again: bool = False) -> None:
+    global _exit_hook_pid
+    # again: multiprocessing clears the finalizers of a new child before running it
+    if again or _exit_hook_pid != os.getpid():
+        _exit_hook_pid = os.getpid()
+        util.Finalize(None, _release_all_named, exitpriority=0)
 
 
 # ---------------------------------------------------------------- named segments
@@ -95,6 +120,7 @@ def _release_named(seg: shm_core.Segment) -> None:
 
 
 def _adopt_named(seg: shm_core.Segment) -> shm_core.Segment:
+    _ensure_exit_hook()
     seg.release_hook = _release_named
     _table.add(("n", seg.name), seg)
     return seg
@@ -144,6 +170,7 @@ class _Arena:
 
 _arena = _Arena()
 os.register_at_fork(after_in_child=_after_fork_in_child)
+util.register_after_fork(_table, lambda table: _ensure_exit_hook(again=True))
 
 
 def _aligned(n: int) -> int:

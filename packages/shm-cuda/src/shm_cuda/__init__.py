@@ -1,4 +1,60 @@
-"""shm-cuda (work in progress)."""
+"""shm-cuda: cupy arrays across processes through CUDA IPC, with crash-safe reference counting.
 
-__all__ = []
+A sent array travels as the IPC handle of its whole device allocation plus
+offset, shape, strides, dtype, device UUID and an interprocess event. The
+producer keeps each sent block alive until every consumer released it,
+counted in a shared-memory registry whose counts of a dead consumer are taken
+back. cupy is imported lazily: ``import shm_cuda`` works without cupy or a
+GPU, and CUDA work then raises NoDeviceError with the remedy.
+"""
+
+from ._cache import ImportCache, Mapping
+from ._cuda import (
+    busy_slots,
+    collect,
+    device_available,
+    export_handle,
+    init_reductions,
+    rebuild_cupy_array,
+    reduce_cupy_array,
+)
+from ._errors import (
+    ForkedAfterInitError,
+    HandleError,
+    NoDeviceError,
+    ProducerGoneError,
+    RegistryFullError,
+    ShmCudaError,
+    StaleHandleError,
+    UnsupportedAllocatorError,
+)
+from ._fork import check_fork
+from ._handle import CudaArrayHandle
+from ._registry import Consumer, Registry, RegistryRef, consumer_for
+
+__all__ = [
+    "Consumer",
+    "CudaArrayHandle",
+    "ForkedAfterInitError",
+    "HandleError",
+    "ImportCache",
+    "Mapping",
+    "NoDeviceError",
+    "ProducerGoneError",
+    "Registry",
+    "RegistryFullError",
+    "RegistryRef",
+    "ShmCudaError",
+    "StaleHandleError",
+    "UnsupportedAllocatorError",
+    "busy_slots",
+    "check_fork",
+    "collect",
+    "consumer_for",
+    "device_available",
+    "export_handle",
+    "init_reductions",
+    "rebuild_cupy_array",
+    "reduce_cupy_array",
+]
 __version__ = "0.1.0"

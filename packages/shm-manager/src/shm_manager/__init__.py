@@ -1,4 +1,32 @@
-"""shm-manager (work in progress)."""
+"""shm-manager: leave /dev/shm clean after any crash.
 
-__all__ = []
+Named arraymp segments carry the token of the process group that made them
+(the first arraymp process and its descendants). Every member holds a lock on
+the group's lock file while it lives, so a dead group is proved, not guessed.
+A per-group daemon, started on first ``register()``, unlinks what the group
+registered (and every file of the group) once all its processes are gone;
+``gc()`` / ``shm-manager gc`` and the startup sweep of the next arraymp program
+remove what a group left when its daemon died with it. Nothing of a live group
+or of another user is ever touched.
+"""
+
+from ._client import daemon_pid, flush, register, unregister
+from ._gc import gc, list_segments, stats
+from ._group import current_group, group, join_group, new_name
+from ._paths import runtime_dir
+
+__all__ = [
+    "current_group",
+    "daemon_pid",
+    "flush",
+    "gc",
+    "group",
+    "join_group",
+    "list_segments",
+    "new_name",
+    "register",
+    "runtime_dir",
+    "stats",
+    "unregister",
+]
 __version__ = "0.1.0"

@@ -1,0 +1,513 @@
+"""Start ``nprocs`` processes running ``fn(i, *args)`` and supervise them.
+
+Adapted from ``torch/multiprocessing/spawn.py`` (same API, same messages) on
+top of the stdlib ``multiprocessing`` contexts.  What changed:
+
+* children die with the supervisor (``_deathsig``: PR_SET_PDEATHSIG=SIGKILL
+  plus a watchdog), nested levels included;
+* spawn and forkserver children are started in parallel, one thread each;
+* the child reports every ``BaseException`` (KeyboardInterrupt included)
+  through an error file (Note [error files, not pipes] in ``_errors``), and a
+  fatal signal's Python stack through ``faulthandler``;
+* ``join`` reports every failure it finds, not only the first.
+
+::
+
+    parent                                   child i (any start method)
+    ------                                   --------------------------
+    mkdtemp() -> D (0700)
+    start_processes --Process.start()-->     _wrap: bind_to_parent (deathsig)
+                                               open D/i.fault  (= "started")
+    ProcessContext.join                        fn(i, *args)
+      wait(sentinels)                          on BaseException: write D/i.error,
+      on failure: grace, SIGTERM, SIGKILL        stop own children, exit 1
+      read + remove D/i.error, D/i.fault
+      raise ProcessRaisedException / ProcessExitedException
+    rmdir D once every process is joined
+
+Note [starter threads]
+~~~~~~~~~~~~~~~~~~~~~~
+``Process.start()`` for spawn and forkserver pickles the process object and
+writes it into a pipe the child reads only after its interpreter booted (and
+re-imported ``__main__``); with more than a pipe's worth of arguments each
+start waits for one child boot.  Starting every process from its own thread
+overlaps those waits.  But PR_SET_PDEATHSIG fires when the *thread* that
+forked the child exits (torch found its spawn children killed by SIGINT when
+its thread pool finished, and gave up on parallel spawn).  So a spawn starter
+thread stays alive, blocked on the child's sentinel, until its child exits.
+forkserver children are forked by the fork server, so their starter threads
+end at once.  fork children are started from the calling thread, one by one
+(fork is cheap, and forking from a helper thread would make every later fork
+warn about threads on Python >= 3.12).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import warnings
+import weakref
+
+from . import _deathsig, _errors
+from ._errors import ProcessException, ProcessExitedException, ProcessRaisedException
+
+__all__ = [
+    "ENV_VAR_FAILED_EXIT_TIMEOUT",
+    "ENV_VAR_PARALLEL_START",
+    "ProcessContext",
+    "SpawnContext",
+    "spawn",
+    "start_processes",
+]
+
+log = logging.getLogger("mp_spawn")
+
+#: Set to ``"0"`` to start spawn/forkserver processes one after another.
+ENV_VAR_PARALLEL_START = "MP_SPAWN_PARALLEL_START"
+
+#: A failed child waits at most this many seconds (default 10) for its own
+#: non-daemon threads and atexit handlers before it exits anyway, so that the
+#: parent never waits forever.  Read by the parent when it starts processes.
+ENV_VAR_FAILED_EXIT_TIMEOUT = "MP_SPAWN_FAILED_EXIT_TIMEOUT"
+_DEFAULT_FAILED_EXIT_TIMEOUT_S = 10.0
+
+# How long a parent interrupted in a blocking join (Ctrl-C) lets its children
+# handle SIGTERM before it kills them.
+_INTERRUPT_GRACE_S = 5.0
+
+_DIR_PREFIX = "mp_spawn-"
+
+# Contexts created in this process and not yet finished; a failing child stops
+# the ones it owns before it exits.
+_live_contexts: weakref.WeakSet[ProcessContext] = weakref.WeakSet()
+
+_fault_file = None  # the child's faulthandler file, kept open until exit
+
+
+# --- the child's side -------------------------------------------------------
+
+
+def _wrap(fn, i, args, error_dir, parent_pid, parent_start, expected_ppid, exit_timeout):
+    """The target of every child process."""
+    _deathsig.bind_to_parent(parent_pid, parent_start, expected_ppid)
+    _enable_faulthandler(os.path.join(error_dir, f"{i}.fault"))
+    try:
+        fn(i, *args)
+    except SystemExit:
+        raise  # sys.exit(code): the exit code says it all
+    except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt is a failure too
+        _errors.write_record(os.path.join(error_dir, f"{i}.error"), exc)
+        del exc
+        _stop_own_children()
+        _arm_exit_backstop(exit_timeout)
+        sys.exit(1)
+
+
+def _enable_faulthandler(path: str) -> None:
+    """Open the fault file (its existence tells the parent ``fn`` was reached)."""
+    global _fault_file
+    try:
+        _fault_file = open(path, "w")  # noqa: SIM115 - must stay open until exit
+    except OSError:
+        return
+    faulthandler.enable(file=_fault_file, all_threads=True)
+
+
+def _stop_own_children() -> None:
+    me = os.getpid()
+    for context in list(_live_contexts):
+        if context._owner_pid == me:
+            context._terminate(first_wait=None, term_wait=1.0)
+            context._finish()
+
+
+def _arm_exit_backstop(seconds: float) -> None:
+    timer = threading.Timer(seconds, os._exit, args=(1,))
+    timer.daemon = True
+    timer.start()
+
+
+# --- the parent's side ------------------------------------------------------
+
+
+class ProcessContext:
+    """The processes started by :func:`start_processes`, and their supervisor.
+
+    ``processes`` are the ``multiprocessing.Process`` objects, in index order;
+    ``error_files`` the paths their errors would be written to.
+    """
+
+    def __init__(self, processes, error_files):
+        self.processes = list(processes)
+        self.error_files = list(error_files)
+        self.sentinels = {process.sentinel: index for index, process in enumerate(self.processes)}
+        self._owner_pid = os.getpid()
+        self._error_dir: str | None = None
+        self._finalizer = None
+        self._failure: ProcessException | None = None
+        self._outcomes: dict[int, tuple[dict | None, str, bool]] = {}
+        self._signalled: dict[int, float] = {}
+        _live_contexts.add(self)
+
+    def pids(self) -> list[int]:
+        """The process ids, in index order."""
+        return [int(process.pid) for process in self.processes]
+
+    def join(self, timeout: float | None = None, grace_period: float | None = None) -> bool:
+        r"""Wait for the processes; raise if one of them failed.
+
+        Returns ``True`` when every process exited cleanly (and keeps returning
+        ``True`` when called again), ``False`` when ``timeout`` seconds passed
+        and some still run.  When one failed (an exception, a non-zero exit
+        code or a signal), waits ``grace_period`` seconds for the others, then
+        sends SIGTERM to those still running, waits ``grace_period`` again (30
+        seconds when it is ``None``), sends SIGKILL to the rest, logs a warning
+        naming each pid it signals, and raises :class:`ProcessRaisedException`
+        or :class:`ProcessExitedException` for the first failure, with every
+        other failure it found in the message.  Called again after that, it
+        raises the same exception.
+        """
+        if self._failure is not None:
+            raise self._failure
+        if not self.sentinels:
+            self._finish()
+            return True
+
+        ready = multiprocessing.connection.wait(list(self.sentinels), timeout=timeout)
+        failed = []
+        for sentinel in ready:
+            index = self.sentinels.pop(sentinel)
+            self._reap(index)
+            if self.processes[index].exitcode != 0:
+                failed.append(index)
+
+        if not failed:
+            if self.sentinels:
+                return False
+            self._finish()
+            return True
+
+        failed.sort()
+        self._terminate(first_wait=grace_period, term_wait=30.0 if grace_period is None else grace_period)
+        for index in range(len(self.processes)):
+            if index not in failed and self._failed_on_its_own(index):
+                failed.append(index)
+        exceptions = [self._exception(index) for index in failed]
+        self._failure = _combine(exceptions)
+        self._finish()
+        raise self._failure
+
+    # -- internals
+
+    def _reap(self, index: int) -> None:
+        """Join a finished process and collect (then remove) its files."""
+        process = self.processes[index]
+        process.join()
+        record = None
+        fault = ""
+        started = True
+        path = self.error_files[index]
+        if path is not None:
+            record = _errors.read_record(path)
+            fault_path = os.path.join(os.path.dirname(path), f"{index}.fault")
+            try:
+                with open(fault_path, errors="replace") as fh:
+                    fault = fh.read()
+                os.unlink(fault_path)
+            except FileNotFoundError:
+                started = False
+        self._outcomes[index] = (record, fault, started)
+
+    def _failed_on_its_own(self, index: int) -> bool:
+        exitcode = self.processes[index].exitcode
+        if exitcode == 0:
+            return False
+        if index not in self._signalled:
+            return True
+        record = self._outcomes[index][0]
+        return record is not None and record["time"] < self._signalled[index]
+
+    def _exception(self, index: int) -> ProcessException:
+        process = self.processes[index]
+        record, fault, started = self._outcomes[index]
+        if record is not None:
+            return _errors.raised_exception(index, process.pid, record)
+        msg, name = _errors.exited_message(index, process.exitcode, started)
+        if process.exitcode < 0 and fault.strip():
+            msg += f"\n\n-- Python stack of process {index:d} when it received {name}:\n{fault.rstrip()}\n"
+        return ProcessExitedException(msg, index, process.pid, process.exitcode, name)
+
+    def _wait(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for every unjoined process."""
+        deadline = time.monotonic() + seconds
+        while self.sentinels:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            for sentinel in multiprocessing.connection.wait(list(self.sentinels), timeout=remaining):
+                self._reap(self.sentinels.pop(sentinel))
+
+    def _terminate(self, first_wait: float | None, term_wait: float) -> None:
+        """Wait, SIGTERM, wait, SIGKILL: afterwards every process is joined."""
+        if first_wait is not None:
+            self._wait(first_wait)
+        for index in list(self.sentinels.values()):
+            process = self.processes[index]
+            if process.is_alive():
+                log.warning("Terminating process %s via signal SIGTERM", process.pid)
+                self._signalled[index] = time.time()
+                process.terminate()
+        self._wait(term_wait)
+        for index in list(self.sentinels.values()):
+            process = self.processes[index]
+            if process.is_alive():
+                log.warning(
+                    "Unable to shutdown process %s via SIGTERM, forcefully exiting via SIGKILL",
+                    process.pid,
+                )
+                self._signalled.setdefault(index, time.time())
+                process.kill()
+        for sentinel, index in list(self.sentinels.items()):
+            del self.sentinels[sentinel]
+            self._reap(index)
+
+    def _finish(self) -> None:
+        """Forget this context once every process is joined; remove its directory."""
+        _live_contexts.discard(self)
+        if self._finalizer is not None:
+            self._finalizer()
+
+
+class SpawnContext(ProcessContext):
+    """Deprecated alias of :class:`ProcessContext` (its name before torch 1.4)."""
+
+    def __init__(self, processes, error_files):
+        warnings.warn(
+            "SpawnContext is renamed to ProcessContext; use ProcessContext",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        super().__init__(processes, error_files)
+
+
+def _combine(exceptions: list[ProcessException]) -> ProcessException:
+    """The first failure, with the others in its message."""
+    first, others = exceptions[0], exceptions[1:]
+    first.other_failures = others
+    if not others:
+        return first
+    text = ""
+    for other in others:
+        if isinstance(other, ProcessRaisedException):
+            text += f"\n\n-- Process {other.error_index:d} also failed with the following error:\n"
+            text += other.child_traceback
+        else:
+            text += f"\n\n-- Process {other.error_index:d} also failed: {other.msg}"
+    if isinstance(first, ProcessRaisedException):
+        # The first failure's traceback keeps ending the message, as in torch.
+        first.msg = f"\n\n-- {len(exceptions)} processes failed; process {first.error_index:d} first.{text}{first.msg}"
+    else:
+        first.msg = first.msg + text
+    first.args = (first.msg,)
+    return first
+
+
+# --- starting ---------------------------------------------------------------
+
+
+def _failed_exit_timeout() -> float:
+    value = os.environ.get(ENV_VAR_FAILED_EXIT_TIMEOUT, "")
+    try:
+        return max(0.0, float(value)) if value else _DEFAULT_FAILED_EXIT_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"{ENV_VAR_FAILED_EXIT_TIMEOUT} must be a number of seconds, got {value!r}") from None
+
+
+def _remove_stale_dirs() -> None:
+    """Remove the error directories of our supervisors that died (SIGKILL) before cleaning up.
+
+    Their names say who made them: ``mp_spawn-<pid>-<start time>-<random>``.
+    """
+    try:
+        entries = list(os.scandir(tempfile.gettempdir()))
+    except OSError:
+        return
+    uid = os.getuid()
+    for entry in entries:
+        if not entry.name.startswith(_DIR_PREFIX):
+            continue
+        parts = entry.name[len(_DIR_PREFIX) :].split("-")
+        if len(parts) < 3 or not parts[0].isdigit() or not parts[1].isdigit():
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != uid:
+                continue
+        except OSError:
+            continue
+        if not _deathsig.is_alive(int(parts[0]), int(parts[1])):
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _parallel_start(start_method: str) -> bool:
+    if start_method not in ("spawn", "forkserver"):
+        return False
+    return os.environ.get(ENV_VAR_PARALLEL_START, "1") != "0"
+
+
+def _starter(process, keep_alive: bool, done: threading.Event, errors: list, index: int) -> None:
+    """Body of a starter thread (Note [starter threads])."""
+    try:
+        process.start()
+        sentinel = os.dup(process.sentinel) if keep_alive else None
+    except BaseException as exc:  # noqa: BLE001 - handed to the caller
+        errors[index] = exc
+        return
+    finally:
+        done.set()
+    if sentinel is not None:
+        try:
+            multiprocessing.connection.wait([sentinel])
+        finally:
+            os.close(sentinel)
+
+
+def _start_all(processes, start_method: str) -> None:
+    if start_method not in ("spawn", "forkserver"):
+        for process in processes:
+            process.start()
+        return
+    parallel = _parallel_start(start_method)
+    keep_alive = start_method == "spawn"
+    errors: list[BaseException | None] = [None] * len(processes)
+    events = []
+    try:
+        for index, process in enumerate(processes):
+            done = threading.Event()
+            thread = threading.Thread(
+                target=_starter,
+                args=(process, keep_alive, done, errors, index),
+                name=f"mp_spawn-starter-{index}",
+                daemon=True,
+            )
+            thread.start()
+            events.append(done)
+            if not parallel:
+                done.wait()
+                if errors[index] is not None:
+                    break
+    finally:
+        # Even when interrupted: the caller kills what was started, so every
+        # start under way must have finished first.
+        for done in events:
+            done.wait()
+    for error in errors:
+        if error is not None:
+            raise error
+
+
+def _kill_started(processes) -> None:
+    for process in processes:
+        if process.pid is None or process._popen is None:
+            continue
+        try:
+            process.kill()
+            process.join()
+        except (OSError, ValueError, AssertionError):
+            pass
+
+
+def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
+    r"""Start ``nprocs`` processes running ``fn(i, *args)`` with ``start_method``.
+
+    Like :func:`spawn`, for any of ``"spawn"``, ``"forkserver"`` and
+    ``"fork"``.  spawn and forkserver processes are started in parallel (set
+    the environment variable ``MP_SPAWN_PARALLEL_START=0`` to start them one
+    after another).  Every child dies when this process dies.
+
+    Returns ``None`` when ``join`` is true (after every process exited
+    cleanly), else a :class:`ProcessContext`.
+    """
+    if nprocs < 0:
+        raise ValueError(f"nprocs must be at least 0, got {nprocs}")
+    mp = multiprocessing.get_context(start_method)
+    parent_pid = os.getpid()
+    parent_start = _deathsig.start_time(parent_pid)
+    _remove_stale_dirs()
+    error_dir = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{parent_pid}-{parent_start}-")
+    # A forkserver child's parent is the fork server; only the watchdog knows us.
+    expected_ppid = None if start_method == "forkserver" else parent_pid
+    exit_timeout = _failed_exit_timeout()
+    processes = [
+        mp.Process(
+            target=_wrap,
+            args=(fn, i, args, error_dir, parent_pid, parent_start, expected_ppid, exit_timeout),
+            daemon=daemon,
+        )
+        for i in range(nprocs)
+    ]
+    error_files = [os.path.join(error_dir, f"{i}.error") for i in range(nprocs)]
+    try:
+        _start_all(processes, start_method)
+    except BaseException:
+        _kill_started(processes)
+        shutil.rmtree(error_dir, ignore_errors=True)
+        raise
+    context = ProcessContext(processes, error_files)
+    context._error_dir = error_dir
+    # Removes the directory when every process is joined, or when the context
+    # is dropped or the interpreter exits, whichever comes first.
+    context._finalizer = weakref.finalize(context, shutil.rmtree, error_dir, ignore_errors=True)
+    if not join:
+        return context
+    try:
+        while not context.join():
+            pass
+    except ProcessException:
+        raise
+    except BaseException:
+        # Interrupted (Ctrl-C, a timeout signal): leave no child behind.
+        context._terminate(first_wait=None, term_wait=_INTERRUPT_GRACE_S)
+        context._finish()
+        raise
+    return None
+
+
+def spawn(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
+    r"""Spawn ``nprocs`` processes that run ``fn(i, *args)``.
+
+    If one of the processes exits with a non-zero exit status, the remaining
+    processes are terminated and an exception is raised with the cause of
+    termination.  If the child raised an exception, its traceback ends the
+    message of the :class:`ProcessRaisedException` raised here.
+
+    Args:
+        fn: the entry point of the children, called as ``fn(i, *args)`` with
+            ``i`` the process index.  It must be defined at the top level of
+            an importable module so it can be pickled.
+        args: the arguments passed to ``fn`` after the index.
+        nprocs: the number of processes.
+        join: wait for all processes (``True``) or return a
+            :class:`ProcessContext` at once (``False``).
+        daemon: the children's ``daemon`` flag.
+        start_method: deprecated; always ``"spawn"``.  Use
+            :func:`start_processes` for another start method.
+
+    Returns:
+        ``None`` if ``join`` is true, else a :class:`ProcessContext`.
+    """
+    if start_method != "spawn":
+        msg = (
+            f"This method only supports start_method=spawn (got: {start_method}).\n"
+            "To use a different start_method use:\n\t\t"
+            " mp_spawn.start_processes(...)"
+        )
+        warnings.warn(msg, FutureWarning, stacklevel=2)
+    return start_processes(fn, args, nprocs, join, daemon, start_method="spawn")

@@ -1,0 +1,515 @@
+"""The mp-spawn test suite, bound to a start method by ``test_spawn_<method>.py``.
+
+Ports every scenario of torch's ``test/test_multiprocessing_spawn.py`` (with
+assertions that can fail) and adds the ones mp-spawn promises beyond torch:
+no descendant survives its supervisor, errors of any kind and size arrive,
+every failure is reported, error files are removed.
+
+Everything that waits has a deadline: joins go through :func:`join_within`
+or :func:`time_limit`, queue reads through ``get(timeout=...)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import logging
+import multiprocessing
+import os
+import pickle
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import _spawn_targets as targets
+import mp_spawn
+import pytest
+from mp_spawn import ProcessContext, ProcessExitedException, ProcessRaisedException
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+WAIT_S = 60.0  # generous deadline for anything that should take a second
+DEATH_DEADLINE_S = 2.0  # the promise: no descendant alive 2 s after its parent died
+
+
+class JoinTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Interrupt a blocking call in the main thread after ``seconds``."""
+
+    def on_alarm(signum, frame):
+        raise JoinTimeout(f"still waiting after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def join_within(ctx: ProcessContext, seconds: float = WAIT_S, grace_period: float | None = None) -> None:
+    """Join until done; kill everything and fail after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not ctx.join(timeout=max(0.0, deadline - time.monotonic()), grace_period=grace_period):
+        if time.monotonic() >= deadline:
+            for process in ctx.processes:
+                process.kill()
+            pytest.fail(f"processes still running after {seconds} s")
+
+
+def proc_state(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time) from /proc, None when the pid is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return None
+    fields = data[data.rindex(b")") + 2 :].split()
+    return fields[0].decode(), int(fields[19])
+
+
+def alive(pid: int, started: int | None = None) -> bool:
+    state = proc_state(pid)
+    if state is None or state[0] in ("Z", "X"):
+        return False
+    return started is None or state[1] == started
+
+
+def still_alive_after(pids_started: dict[int, int], seconds: float) -> list[int]:
+    """Poll until all are dead or ``seconds`` passed; return those alive."""
+    deadline = time.monotonic() + seconds
+    while True:
+        living = [pid for pid, started in pids_started.items() if alive(pid, started)]
+        if not living or time.monotonic() >= deadline:
+            return living
+        time.sleep(0.02)
+
+
+def descendants_of(root: int) -> list[int]:
+    parents = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as fh:
+                    data = fh.read()
+            except OSError:
+                continue
+            parents[int(name)] = int(data[data.rindex(b")") + 2 :].split()[1])
+    found, frontier = [], [root]
+    while frontier:
+        pid = frontier.pop()
+        kids = [child for child, parent in parents.items() if parent == pid]
+        found += kids
+        frontier += kids
+    return found
+
+
+def wait_for(predicate, seconds: float = WAIT_S, what: str = "condition"):
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() >= deadline:
+            pytest.fail(f"timed out after {seconds} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def kill_all(pids):
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+class SpawnSuite:
+    start_method: str = ""
+
+    def start(self, fn, args=(), nprocs=2, join=True, daemon=False):
+        if not join:
+            return mp_spawn.start_processes(
+                fn, args=args, nprocs=nprocs, join=False, daemon=daemon, start_method=self.start_method
+            )
+        with time_limit(WAIT_S):
+            return mp_spawn.start_processes(
+                fn, args=args, nprocs=nprocs, join=True, daemon=daemon, start_method=self.start_method
+            )
+
+    # -- torch's scenarios
+
+    def test_success(self, tmp_path, no_leftover_children):
+        assert self.start(targets.success, args=(str(tmp_path),), nprocs=2) is None
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ran-0", "ran-1"]
+
+    def test_success_non_blocking(self):
+        ctx = self.start(targets.success, nprocs=2, join=False)
+        assert isinstance(ctx, ProcessContext)
+        pids = ctx.pids()
+        assert len(set(pids)) == 2 and os.getpid() not in pids
+        join_within(ctx)
+        assert [p.exitcode for p in ctx.processes] == [0, 0]
+        # Joining again after success keeps returning True.
+        assert ctx.join(timeout=None) is True
+        assert ctx.join(timeout=0) is True
+
+    def test_join_returns_false_while_running(self, tmp_path):
+        release = tmp_path / "release"
+        ctx = self.start(targets.wait_for_file, args=(str(release),), nprocs=2, join=False)
+        assert ctx.join(timeout=0.2) is False
+        assert all(p.is_alive() for p in ctx.processes)
+        release.touch()
+        join_within(ctx)
+        assert ctx.join() is True
+
+    def test_first_argument_index(self):
+        queue = multiprocessing.get_context(self.start_method).SimpleQueue()
+        self.start(targets.put_index, args=(queue, "extra"), nprocs=3)
+        got = sorted(queue.get() for _ in range(3))
+        assert got == [(0, "extra"), (1, "extra"), (2, "extra")]
+
+    def test_start_method_is_used(self):
+        queue = multiprocessing.get_context(self.start_method).Queue()
+        old, targets.MARK = targets.MARK, "changed in the parent"
+        try:
+            self.start(targets.report_mark, args=(queue,), nprocs=1)
+        finally:
+            targets.MARK = old
+        expected = "changed in the parent" if self.start_method == "fork" else "module default"
+        assert queue.get(timeout=WAIT_S) == expected
+
+    @pytest.mark.parametrize("i", [0, 1])
+    def test_exception_single(self, i, no_leftover_children):
+        ctx = self.start(targets.exception_single, args=(i,), nprocs=2, join=False)
+        with pytest.raises(
+            ProcessRaisedException, match=rf"\nValueError: legitimate exception from process {i}$"
+        ) as info:
+            join_within(ctx)
+        exc = info.value
+        assert exc.error_index == i
+        assert exc.error_pid == ctx.pids()[i]
+        assert exc.exc_type == "ValueError"
+        assert exc.exc_message == f"legitimate exception from process {i}"
+        assert "Traceback (most recent call last)" in exc.msg
+        assert "in exception_single" in exc.msg
+        assert isinstance(exc.original, ValueError)
+        assert exc.other_failures == []  # the other process was terminated, not failed
+        assert ctx.processes[1 - i].exitcode == -signal.SIGTERM
+
+    def test_exception_all(self, no_leftover_children):
+        with pytest.raises(ProcessRaisedException, match=r"\nValueError: legitimate exception from process (0|1)$"):
+            self.start(targets.exception_all, nprocs=2)
+
+    def test_exception_all_every_failure_reported(self):
+        ctx = self.start(targets.exception_all_now, nprocs=2, join=False)
+        with pytest.raises(ProcessRaisedException) as info:
+            join_within(ctx, grace_period=WAIT_S)
+        exc = info.value
+        assert "legitimate exception from process 0" in str(exc)
+        assert "legitimate exception from process 1" in str(exc)
+        assert "2 processes failed" in str(exc)
+        assert [e.error_index for e in exc.other_failures] == [1 - exc.error_index]
+        # The first failure's traceback still ends the message.
+        assert re.search(rf"\nValueError: legitimate exception from process {exc.error_index}$", str(exc))
+
+    def test_terminate_signal(self):
+        ctx = self.start(targets.terminate_signal, nprocs=2, join=False)
+        with pytest.raises(ProcessExitedException, match="process 0 terminated with signal (SIGABRT|SIGIOT)") as info:
+            join_within(ctx)
+        exc = info.value
+        assert exc.exit_code == -signal.SIGABRT
+        assert exc.signal_name == "SIGABRT"
+        assert (exc.error_index, exc.error_pid) == (0, ctx.pids()[0])
+        # faulthandler caught the Python stack at the signal.
+        assert "Python stack of process 0" in str(exc)
+        assert "terminate_signal" in str(exc)
+
+    def test_terminate_exit(self):
+        ctx = self.start(targets.terminate_exit, args=(123,), nprocs=2, join=False)
+        with pytest.raises(ProcessExitedException, match="^process 0 terminated with exit code 123$") as info:
+            join_within(ctx)
+        assert info.value.exit_code == 123
+        assert info.value.signal_name is None
+        assert info.value.error_pid == ctx.pids()[0]
+
+    def test_terminate_exit_no_grace_period_logs_sigterm(self, caplog):
+        ctx = self.start(targets.terminate_exit, args=(123, targets.LONG_SLEEP_S), nprocs=2, join=False)
+        pid1 = ctx.pids()[1]
+        with caplog.at_level(logging.WARNING, logger="mp_spawn"):
+            with pytest.raises(ProcessExitedException, match="process 0 terminated with exit code 123"):
+                join_within(ctx)
+        messages = [r.getMessage() for r in caplog.records if r.name == "mp_spawn"]
+        assert messages == [f"Terminating process {pid1} via signal SIGTERM"]
+        assert ctx.processes[1].exitcode == -signal.SIGTERM
+
+    def test_terminate_exit_grace_period_lets_others_finish(self, caplog):
+        ctx = self.start(targets.terminate_exit, args=(123, 1.0), nprocs=2, join=False)
+        with caplog.at_level(logging.WARNING, logger="mp_spawn"):
+            with pytest.raises(ProcessExitedException, match="process 0 terminated with exit code 123"):
+                join_within(ctx, grace_period=WAIT_S)
+        assert [r for r in caplog.records if r.name == "mp_spawn"] == []
+        assert ctx.processes[1].exitcode == 0  # it finished on its own
+
+    def test_sigterm_ignored_gets_sigkill(self, tmp_path, caplog):
+        marker = tmp_path / "ignoring"
+        ctx = self.start(targets.ignore_sigterm_then_wait, args=(str(marker), 7), nprocs=2, join=False)
+        pid1 = ctx.pids()[1]
+        with caplog.at_level(logging.WARNING, logger="mp_spawn"):
+            with pytest.raises(ProcessExitedException, match="process 0 terminated with exit code 7"):
+                join_within(ctx, grace_period=0.5)
+        messages = [r.getMessage() for r in caplog.records if r.name == "mp_spawn"]
+        assert messages == [
+            f"Terminating process {pid1} via signal SIGTERM",
+            f"Unable to shutdown process {pid1} via SIGTERM, forcefully exiting via SIGKILL",
+        ]
+        assert ctx.processes[1].exitcode == -signal.SIGKILL
+
+    def test_success_first_then_exception(self):
+        ctx = self.start(targets.success_first_then_exception, args=(123,), nprocs=2, join=False)
+        with pytest.raises(ProcessRaisedException, match="ValueError: legitimate exception") as info:
+            join_within(ctx)
+        assert info.value.error_index == 1
+        assert ctx.processes[0].exitcode == 0
+
+    def test_exception_raises(self):
+        with pytest.raises(ProcessRaisedException):
+            self.start(targets.success_first_then_exception, nprocs=2)
+
+    def test_signal_raises(self):
+        ctx = self.start(targets.infinite, nprocs=1, join=False)
+        for pid in ctx.pids():
+            os.kill(pid, signal.SIGTERM)
+        with pytest.raises(ProcessExitedException, match="process 0 terminated with signal SIGTERM") as info:
+            join_within(ctx)
+        assert info.value.signal_name == "SIGTERM"
+        assert info.value.exit_code == -signal.SIGTERM
+
+    def test_process_exited(self):
+        with pytest.raises(ProcessExitedException) as info:
+            self.start(targets.process_exit, nprocs=1)
+        assert info.value.exit_code == 12
+        assert info.value.error_index == 0
+
+    @pytest.mark.parametrize("how_to_die", ["SIGTERM", "SIGKILL"])
+    def test_nested_children_die_with_parent(self, tmp_path, how_to_die):
+        ctx = self.start(targets.middle, args=(str(tmp_path), self.start_method, how_to_die), nprocs=1, join=False)
+        pids_file = tmp_path / "pids-0.json"
+        wait_for(pids_file.exists, what="the grandchildren to start")
+        grandchildren = json.loads(pids_file.read_text())["grandchildren"]
+        started = {pid: proc_state(pid)[1] for pid in grandchildren}
+        (tmp_path / "go").touch()
+        try:
+            # Watch the middle's pid, not its sentinel: with fork, the
+            # grandchildren inherit the sentinel's write end and keep it open.
+            middle = ctx.pids()[0]
+            wait_for(lambda: not alive(middle), what="the middle process to die")
+            # The middle process is dead now; its children must follow within 2 s.
+            assert still_alive_after(started, DEATH_DEADLINE_S) == []
+            with pytest.raises(ProcessExitedException, match=f"process 0 terminated with signal {how_to_die}"):
+                join_within(ctx)
+        finally:
+            kill_all(grandchildren)
+
+    # -- beyond torch: the supervisor's death
+
+    def test_parent_sigkill_leaves_no_descendant(self, tmp_path):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
+        code = f"import _spawn_targets as t; t.driver({str(tmp_path)!r}, {self.start_method!r}, 2)"
+        driver = subprocess.Popen([sys.executable, "-c", code], env=env)
+        everyone: list[int] = []
+        try:
+            wait_for(
+                lambda: len(glob.glob(str(tmp_path / "pids-*.json"))) == 2, what="two middles and four grandchildren"
+            )
+            for path in glob.glob(str(tmp_path / "pids-*.json")):
+                with open(path) as fh:
+                    info = json.load(fh)
+                everyone += [info["middle"], *info["grandchildren"]]
+            everyone = sorted(set(everyone) | set(descendants_of(driver.pid)))
+            started = {pid: proc_state(pid)[1] for pid in everyone if proc_state(pid)}
+            assert len(started) >= 6
+            driver.kill()
+            driver.wait(timeout=WAIT_S)
+            assert still_alive_after(started, DEATH_DEADLINE_S) == []
+        finally:
+            driver.kill()
+            driver.wait(timeout=WAIT_S)
+            kill_all(everyone)
+
+    def test_interrupted_join_terminates_children(self):
+        with pytest.raises(JoinTimeout):
+            with time_limit(1.0):
+                mp_spawn.start_processes(targets.infinite, nprocs=2, start_method=self.start_method)
+        assert multiprocessing.active_children() == []
+
+    def test_daemon_flag(self):
+        ctx = self.start(targets.success, nprocs=2, join=False, daemon=True)
+        assert [p.daemon for p in ctx.processes] == [True, True]
+        join_within(ctx)
+
+    # -- beyond torch: errors of every kind arrive
+
+    def test_error_files_removed(self):
+        ctx = self.start(targets.exception_all_now, nprocs=2, join=False)
+        error_dir = os.path.dirname(ctx.error_files[0])
+        assert os.path.isdir(error_dir)
+        assert (os.stat(error_dir).st_mode & 0o777) == 0o700
+        with pytest.raises(ProcessRaisedException):
+            join_within(ctx, grace_period=WAIT_S)
+        assert not any(os.path.exists(path) for path in ctx.error_files)
+        assert not os.path.exists(error_dir)
+
+    def test_error_dir_removed_after_success(self):
+        ctx = self.start(targets.success, nprocs=2, join=False)
+        error_dir = os.path.dirname(ctx.error_files[0])
+        join_within(ctx)
+        assert not os.path.exists(error_dir)
+
+    def test_join_after_failure_raises_again(self):
+        ctx = self.start(targets.process_exit, nprocs=1, join=False)
+        with pytest.raises(ProcessExitedException) as first:
+            join_within(ctx)
+        with pytest.raises(ProcessExitedException) as second:
+            ctx.join()
+        assert second.value is first.value
+
+    def test_keyboard_interrupt_is_a_failure(self):
+        with pytest.raises(ProcessRaisedException, match=r"\nKeyboardInterrupt$") as info:
+            self.start(targets.raise_keyboard_interrupt, nprocs=1)
+        assert info.value.exc_type == "KeyboardInterrupt"
+
+    def test_sigint_is_a_failure(self):
+        with pytest.raises(ProcessRaisedException, match=r"\nKeyboardInterrupt$"):
+            self.start(targets.sigint_self, nprocs=1)
+
+    def test_base_exception_subclass(self):
+        with pytest.raises(
+            ProcessRaisedException, match=r"\n_spawn_targets.CustomBase: a BaseException subclass from process 0$"
+        ) as info:
+            self.start(targets.raise_base_exception, nprocs=1)
+        assert info.value.exc_type == "_spawn_targets.CustomBase"
+        assert isinstance(info.value.original, targets.CustomBase)
+
+    def test_unpicklable_exception(self):
+        with pytest.raises(ProcessRaisedException, match=r"\n_spawn_targets.Unpicklable: cannot pickle me 0$") as info:
+            self.start(targets.raise_unpicklable, nprocs=1)
+        exc = info.value
+        assert exc.exc_type == "_spawn_targets.Unpicklable"
+        assert exc.exc_message == "cannot pickle me 0"
+        assert "in raise_unpicklable" in exc.child_traceback
+        assert exc.original is None
+
+    def test_exception_that_does_not_unpickle(self):
+        with pytest.raises(ProcessRaisedException, match=r"NeedsTwoArgs: x-0$") as info:
+            self.start(targets.raise_needs_two_args, nprocs=1)
+        assert info.value.original is None
+
+    def test_original_exception_arrives(self):
+        with pytest.raises(ProcessRaisedException) as info:
+            self.start(targets.raise_with_payload, nprocs=1)
+        original = info.value.original
+        assert isinstance(original, targets.WithPayload)
+        assert original.payload == {"index": 0, "data": [1, 2, 3]}
+
+    def test_huge_traceback(self):
+        nbytes = 5 * 1024 * 1024
+        with pytest.raises(ProcessRaisedException) as info:
+            self.start(targets.raise_huge, args=(nbytes,), nprocs=2)
+        msg = str(info.value)
+        assert len(msg) > nbytes
+        assert msg.rstrip().endswith("x-end")
+        assert "ValueError: start-xxx" in msg
+
+    def test_failed_child_with_lingering_thread_still_exits(self, monkeypatch):
+        # Without the exit backstop the child would wait on its non-daemon
+        # thread for a minute; the error must arrive well before that.
+        monkeypatch.setenv(mp_spawn.ENV_VAR_FAILED_EXIT_TIMEOUT, "0.5")
+        with pytest.raises(ProcessRaisedException, match="raised with a non-daemon thread running"):
+            with time_limit(targets.LONG_SLEEP_S - 5):
+                mp_spawn.start_processes(
+                    targets.leave_non_daemon_thread_and_raise, nprocs=1, start_method=self.start_method
+                )
+
+    def test_mixed_failures_all_reported(self):
+        ctx = self.start(targets.fail_and_raise, nprocs=2, join=False)
+        with pytest.raises(mp_spawn.ProcessException) as info:
+            join_within(ctx, grace_period=WAIT_S)
+        msg = str(info.value)
+        assert "process 0 terminated with exit code 3" in msg
+        assert "RuntimeError: second failure from process 1" in msg
+        assert len(info.value.other_failures) == 1
+
+    @pytest.mark.parametrize(
+        ("signum", "hint"),
+        [(signal.SIGKILL, "out-of-memory killer"), (signal.SIGBUS, "/dev/shm full"), (signal.SIGSEGV, "native code")],
+    )
+    def test_signal_hints(self, signum, hint):
+        name = signal.Signals(signum).name
+        with pytest.raises(ProcessExitedException, match=f"^process 0 terminated with signal {name} ") as info:
+            self.start(targets.terminate_signal, args=(signum,), nprocs=1)
+        assert hint in str(info.value)
+        assert info.value.signal_name == name
+
+    def test_raised_exceptions_pickle(self):
+        with pytest.raises(ProcessRaisedException) as info:
+            self.start(targets.raise_with_payload, nprocs=1)
+        exc = info.value
+        copy = pickle.loads(pickle.dumps(exc))
+        assert type(copy) is ProcessRaisedException
+        assert str(copy) == str(exc)
+        assert (copy.error_index, copy.error_pid, copy.exc_type) == (exc.error_index, exc.error_pid, exc.exc_type)
+        assert copy.original.payload == exc.original.payload
+
+    def test_spawn_api(self):
+        queue = multiprocessing.get_context("spawn").Queue()
+        old, targets.MARK = targets.MARK, "changed in the parent"
+        try:
+            with time_limit(WAIT_S):
+                if self.start_method == "spawn":
+                    mp_spawn.spawn(targets.report_mark, args=(queue,), nprocs=1)
+                else:
+                    with pytest.warns(FutureWarning, match="only supports start_method=spawn"):
+                        mp_spawn.spawn(targets.report_mark, args=(queue,), nprocs=1, start_method=self.start_method)
+        finally:
+            targets.MARK = old
+        # spawn() always spawns, whatever start_method says.
+        assert queue.get(timeout=WAIT_S) == "module default"
+
+
+class ParallelStartSuite:
+    """For the start methods that start in parallel (spawn, forkserver)."""
+
+    start_method: str = ""
+
+    def test_parallel_start_faster_than_sequential(self, monkeypatch):
+        # Each child spends SLEEP_S unpickling its arguments before it reads the
+        # rest of a payload larger than a pipe; a sequential start waits for
+        # each child in turn, a parallel one for all of them at once.
+        nprocs, sleep_s = 4, 1.0
+        args = (targets.SlowToUnpickle(sleep_s), b"x" * (4 * 1024 * 1024))
+
+        def timed(parallel: str) -> float:
+            monkeypatch.setenv(mp_spawn.ENV_VAR_PARALLEL_START, parallel)
+            begin = time.monotonic()
+            with time_limit(WAIT_S):
+                mp_spawn.start_processes(
+                    targets.noop_with_args, args=args, nprocs=nprocs, start_method=self.start_method
+                )
+            return time.monotonic() - begin
+
+        sequential = timed("0")
+        parallel = timed("1")
+        assert sequential >= nprocs * sleep_s  # the scenario really costs one sleep per start
+        assert parallel < 0.6 * nprocs * sleep_s, (parallel, sequential)
+        assert parallel < sequential / 1.6, (parallel, sequential)
+
+    def test_start_failure_leaves_no_child(self, no_leftover_children):
+        import threading
+
+        with pytest.raises(TypeError, match="pickle"):
+            mp_spawn.start_processes(
+                targets.noop_with_args, args=(threading.Lock(),), nprocs=2, start_method=self.start_method
+            )
+        assert multiprocessing.active_children() == []

@@ -1,0 +1,244 @@
+"""Child functions for the mp-spawn tests.
+
+They live in an importable module (not in the test files) so that spawn and
+forkserver children can unpickle them by reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sys
+import threading
+import time
+
+import mp_spawn
+
+# The parent changes this in memory; only fork children see the change.
+MARK = "module default"
+
+LONG_SLEEP_S = 60.0
+
+
+def success(i, out_dir=None):
+    if out_dir is not None:
+        with open(os.path.join(out_dir, f"ran-{i}"), "w") as fh:
+            fh.write(str(os.getpid()))
+
+
+def put_index(i, queue, extra):
+    queue.put((i, extra))
+
+
+def report_mark(i, queue):
+    queue.put(MARK)
+
+
+def exception_single(i, arg):
+    if i == arg:
+        raise ValueError(f"legitimate exception from process {i}")
+    time.sleep(LONG_SLEEP_S)  # torch sleeps 1 s; long enough to be surely terminated
+
+
+def exception_all(i):
+    time.sleep(random.random() / 10)
+    raise ValueError(f"legitimate exception from process {i}")
+
+
+def exception_all_now(i):
+    raise ValueError(f"legitimate exception from process {i}")
+
+
+def terminate_signal(i, signum=signal.SIGABRT):
+    if i == 0:
+        os.kill(os.getpid(), signum)
+    time.sleep(1.0)
+
+
+def terminate_exit(i, arg, sleep=1.0):
+    if i == 0:
+        sys.exit(arg)
+    time.sleep(sleep)
+
+
+def fail_and_raise(i):
+    if i == 0:
+        sys.exit(3)
+    raise RuntimeError(f"second failure from process {i}")
+
+
+def success_first_then_exception(i, arg=None):
+    if i == 0:
+        return
+    time.sleep(0.1)
+    raise ValueError("legitimate exception")
+
+
+def infinite(i):
+    while True:
+        time.sleep(1)
+
+
+def process_exit(i):
+    sys.exit(12)
+
+
+def wait_for_file(i, path):
+    while not os.path.exists(path):
+        time.sleep(0.02)
+
+
+def ignore_sigterm_then_wait(i, marker, exitcode):
+    """Process 1 ignores SIGTERM; process 0 fails once process 1 is ready."""
+    if i == 1:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with open(marker, "w"):
+            pass
+        while True:
+            time.sleep(1)
+    while not os.path.exists(marker):
+        time.sleep(0.02)
+    sys.exit(exitcode)
+
+
+# --- error transport ---
+
+
+class Unpicklable(Exception):
+    def __init__(self, msg):
+        super().__init__(msg)
+        self.lock = threading.Lock()
+
+
+class NeedsTwoArgs(Exception):
+    """Pickles, but unpickling calls __init__ with one argument and fails."""
+
+    def __init__(self, a, b):
+        super().__init__(f"{a}-{b}")
+
+
+class CustomBase(BaseException):
+    pass
+
+
+class WithPayload(Exception):
+    def __init__(self, msg, payload):
+        super().__init__(msg, payload)
+        self.payload = payload
+
+
+def raise_unpicklable(i):
+    raise Unpicklable(f"cannot pickle me {i}")
+
+
+def raise_needs_two_args(i):
+    raise NeedsTwoArgs("x", i)
+
+
+def raise_base_exception(i):
+    raise CustomBase(f"a BaseException subclass from process {i}")
+
+
+def raise_keyboard_interrupt(i):
+    raise KeyboardInterrupt
+
+
+def sigint_self(i):
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(LONG_SLEEP_S)
+
+
+def raise_huge(i, nbytes):
+    raise ValueError("start-" + "x" * nbytes + "-end")
+
+
+def raise_with_payload(i):
+    raise WithPayload("has a payload", {"index": i, "data": [1, 2, 3]})
+
+
+def leave_non_daemon_thread_and_raise(i):
+    threading.Thread(target=time.sleep, args=(LONG_SLEEP_S,), daemon=False).start()
+    raise ValueError("raised with a non-daemon thread running")
+
+
+# --- parallel start ---
+
+
+class SlowToUnpickle:
+    """Unpickling takes ``seconds`` in the child (like a slow import)."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def __reduce__(self):
+        return (_slow_rebuild, (self.seconds,))
+
+
+def _slow_rebuild(seconds):
+    time.sleep(seconds)
+    return SlowToUnpickle(seconds)
+
+
+def noop_with_args(i, *args):
+    pass
+
+
+# --- nesting and parent death ---
+
+
+def _write_pid(directory, tag):
+    path = os.path.join(directory, f"{tag}-{os.getpid()}")
+    with open(path + ".tmp", "w") as fh:
+        fh.write(str(os.getpid()))
+    os.rename(path + ".tmp", path)
+
+
+def grandchild(i, directory):
+    _write_pid(directory, "grandchild")
+    time.sleep(LONG_SLEEP_S)
+
+
+def middle(i, directory, start_method, how_to_die):
+    """Start two grandchildren, announce them, then die (or wait)."""
+    ctx = mp_spawn.start_processes(grandchild, args=(directory,), nprocs=2, join=False, start_method=start_method)
+    deadline = time.monotonic() + LONG_SLEEP_S
+    pids = ctx.pids()
+    while not all(any(name.endswith(f"-{pid}") for name in os.listdir(directory)) for pid in pids):
+        if time.monotonic() > deadline:
+            raise TimeoutError("grandchildren did not start")
+        time.sleep(0.02)
+    with open(os.path.join(directory, f"pids-{i}.json.tmp"), "w") as fh:
+        json.dump({"middle": os.getpid(), "grandchildren": pids}, fh)
+    os.rename(os.path.join(directory, f"pids-{i}.json.tmp"), os.path.join(directory, f"pids-{i}.json"))
+    if how_to_die == "wait":
+        time.sleep(LONG_SLEEP_S)
+    else:
+        # Die when the test has looked at the grandchildren.
+        while not os.path.exists(os.path.join(directory, "go")) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), getattr(signal, how_to_die))
+        time.sleep(LONG_SLEEP_S)
+
+
+def driver(directory, start_method, nprocs):
+    """The main of a separate program: start middles that start grandchildren, wait."""
+    with open(os.path.join(directory, "driver-ready"), "w") as fh:
+        fh.write(str(os.getpid()))
+    mp_spawn.start_processes(
+        middle,
+        args=(directory, start_method, "wait"),
+        nprocs=nprocs,
+        join=True,
+        start_method=start_method,
+    )
+
+
+def watchdog_child(parent_pid, parent_start):
+    """The main of a separate program: only the watchdog (no PR_SET_PDEATHSIG)."""
+    from mp_spawn import _deathsig
+
+    _deathsig.start_watchdog(parent_pid, parent_start)
+    print("armed", flush=True)
+    time.sleep(LONG_SLEEP_S)

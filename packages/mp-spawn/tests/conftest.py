@@ -1,0 +1,22 @@
+import os
+import sys
+
+# Child target functions live in tests/_spawn_targets.py; spawn and forkserver
+# children import them by name, so this directory must be on sys.path (the
+# children inherit the parent's sys.path).
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+import multiprocessing  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def no_leftover_children():
+    """After the test, this process has no multiprocessing child left."""
+    yield
+    from _spawn_suite import wait_for
+
+    wait_for(lambda: not multiprocessing.active_children(), 10.0, "children to be joined")
