@@ -3,9 +3,11 @@
 ``import arraymp as mp``: every public name of ``multiprocessing``, and the
 Queue, SimpleQueue, JoinableQueue, Pipe and Pool of ``mp`` and of
 ``mp.get_context(...)`` move numpy arrays through shared memory instead of
-pickled copies. Importing arraymp registers the array reductions with the
-stdlib's ForkingPickler once, so stdlib queues and spawn-time Process arguments
-share arrays too. Also: sharing strategies, shared-array constructors, and the
+pickled copies; the Pool also survives dead workers (``WorkerLostError``), and
+``mp.ProcessPoolExecutor`` is ``concurrent.futures``' over our context.
+Importing arraymp registers the array reductions with the stdlib's
+ForkingPickler once, so stdlib queues and spawn-time Process arguments share
+arrays too. Also: sharing strategies, shared-array constructors, and the
 ``spawn`` supervisor.
 """
 
@@ -17,6 +19,7 @@ if not sys.platform.startswith("linux"):  # pragma: no cover
 import multiprocessing as _mp
 
 from mp_reductions import (
+    WorkerLostError,
     empty_shared,
     get_all_sharing_strategies,
     get_inline_threshold,
@@ -40,6 +43,7 @@ from mp_spawn import (
     start_processes,
 )
 
+from ._context import ProcessPoolExecutor
 from ._context import default_context as _default_context
 
 # Every public name of multiprocessing, then ours over it (the stdlib's own
@@ -54,8 +58,10 @@ __all__ = [
     "ProcessContext",
     "ProcessException",
     "ProcessExitedException",
+    "ProcessPoolExecutor",
     "ProcessRaisedException",
     "SpawnContext",
+    "WorkerLostError",
     "empty_shared",
     "get_all_sharing_strategies",
     "get_inline_threshold",

@@ -1,5 +1,5 @@
-"""Contexts: the stdlib's, with our Queue / SimpleQueue / JoinableQueue / Pipe / Pool
-(adapts multiprocessing/context.py).
+"""Contexts: the stdlib's, with our Queue / SimpleQueue / JoinableQueue / Pipe / Pool,
+and ``ProcessPoolExecutor`` over our context (adapts multiprocessing/context.py).
 
 Every factory is a lazy method, as in the stdlib; ``get_context(method)``
 returns our context for that start method. The default context follows the
@@ -10,6 +10,7 @@ stdlib's start method, so ``arraymp.set_start_method`` and
 from __future__ import annotations
 
 import multiprocessing
+from concurrent import futures
 from multiprocessing import context as mpc
 
 
@@ -35,6 +36,11 @@ class _ArrayContext:
         from mp_reductions import Pipe
 
         return Pipe(duplex)
+
+    def Pool(self, processes=None, initializer=None, initargs=(), maxtasksperchild=None):
+        from mp_reductions import Pool
+
+        return Pool(processes, initializer, initargs, maxtasksperchild, context=self.get_context())
 
     def get_context(self, method=None):
         if method is None:
@@ -90,3 +96,15 @@ class DefaultContext(_ArrayContext, mpc.BaseContext):
 
 
 default_context = DefaultContext()
+
+
+class ProcessPoolExecutor(futures.ProcessPoolExecutor):
+    """``concurrent.futures.ProcessPoolExecutor`` whose ``mp_context`` defaults to ``arraymp.get_context()``.
+
+    Results come back through our SimpleQueue (arrays by shared memory); the
+    executor's call queue is the stdlib's, which shares arrays by descriptor
+    passing once the reductions are registered.
+    """
+
+    def __init__(self, max_workers=None, mp_context=None, initializer=None, initargs=(), **kwargs):
+        super().__init__(max_workers, mp_context or default_context.get_context(), initializer, initargs, **kwargs)

@@ -2,11 +2,13 @@
 
 Pickler reductions for ``numpy.ndarray`` (registered with the stdlib's
 ``ForkingPickler`` by ``init_reductions()``), the two sharing strategies, the
-shared-array constructors, and Queue / SimpleQueue / JoinableQueue / Pipe whose
-messages carry their arrays' descriptors in the same sendmsg.
+shared-array constructors, Queue / SimpleQueue / JoinableQueue / Pipe whose
+messages carry their arrays' descriptors in the same sendmsg, and a Pool over
+them that survives dead workers.
 """
 
 from ._connection import Connection, Pipe
+from ._pool import Pool, WorkerLostError
 from ._queues import JoinableQueue, Queue, SimpleQueue
 from ._reductions import init_reductions, rebuild_ndarray, reduce_ndarray
 from ._shared import empty_shared, is_shared, share_memory, zeros_shared
@@ -22,8 +24,10 @@ __all__ = [
     "Connection",
     "JoinableQueue",
     "Pipe",
+    "Pool",
     "Queue",
     "SimpleQueue",
+    "WorkerLostError",
     "empty_shared",
     "get_all_sharing_strategies",
     "get_inline_threshold",

@@ -67,6 +67,7 @@ class Packet:
     def send(self, sock: socket.socket, flags: int = 0) -> None:
         shm_core.send_fds(sock, self.buffers, self.fds, flags)
         self.keep = None
+        self.out.sent()
 
     def send_nowait(self, sock: socket.socket) -> bool:
         """Send unless the socket is full (then False: nothing was sent)."""

@@ -12,6 +12,7 @@
 A segment reference is one of:
 
     ("m", i)         the i-th descriptor of the message (our channels)
+    ("c", i)         the same, for the message's copy segment (recycled, see _recycle)
     ("d", DupFd)     a descriptor passed by multiprocessing.reduction.DupFd
                      (stdlib queues and pipes, Process arguments at spawn)
     ("n", name, dir) a named segment (file_system strategy)
@@ -30,7 +31,7 @@ from multiprocessing import reduction
 import numpy as np
 import shm_core
 
-from . import _shared
+from . import _recycle, _shared
 from ._strategy import get_inline_threshold, get_sharing_strategy
 
 MAX_FDS = 250  # the kernel passes at most 253 descriptors in one message (SCM_MAX_FD)
@@ -47,6 +48,7 @@ class Outgoing:
         self._copies: list[tuple[np.ndarray, int]] = []
         self._copy_size = 0
         self._copy_ref = None
+        self.recycled: shm_core.Segment | None = None  # the message's copy segment (file_descriptor)
 
     def fd_ref(self, seg: shm_core.Segment, fd: int) -> tuple:
         i = self._index.get(id(seg))
@@ -75,7 +77,7 @@ class Outgoing:
             if get_sharing_strategy() == "file_system":
                 self._copy_ref = ("n", _shared._manager().new_name(), shm_core.shm_dir())
             else:
-                self._copy_ref = ("m", len(self.fds))
+                self._copy_ref = ("c", len(self.fds))
                 self.fds.append(-1)  # filled by finish()
         return self._copy_ref, offset
 
@@ -90,12 +92,19 @@ class Outgoing:
             seg.incref()  # in flight; nobody here holds it
             mgr.register(seg.name)
         else:
-            seg = shm_core.create_anonymous(self._copy_size)
+            seg = self.recycled = _recycle.take(self._copy_size)
+            seg.fetch_add(_recycle.PENDING, 1)
             self.fds[self._copy_ref[1]] = seg.fd
-            self.keep.append(seg)
         for arr, offset in self._copies:
             np.copyto(seg.ndarray(arr.shape, arr.dtype, offset), arr, casting="no")
         self._copies.clear()
+
+    def sent(self) -> None:
+        """The message is in the socket: what it held may go, its copy segment back to the pool."""
+        self.keep.clear()
+        if self.recycled is not None:
+            _recycle.sent(self.recycled)
+            self.recycled = None
 
     def abort(self) -> None:
         """The message will not be sent: give back the in-flight counts taken."""
@@ -103,6 +112,10 @@ class Outgoing:
             if isinstance(obj, shm_core.Segment) and obj.name and self._index.get(id(obj)) == -1:
                 obj.decref()
         self.keep.clear()
+        if self.recycled is not None:
+            self.recycled.fetch_add(_recycle.PENDING, -1)
+            _recycle.sent(self.recycled)
+            self.recycled = None
 
 
 class Incoming:
@@ -110,7 +123,8 @@ class Incoming:
 
     def __init__(self, fds: list[int]):
         self.fds = fds
-        self.segments: dict[int, shm_core.Segment] = {}
+        self.segments: dict = {}
+        self.copies_viewed: set[int] = set()
 
     def segment(self, i: int, size: int) -> shm_core.Segment:
         seg = self.segments.get(i)
@@ -120,6 +134,13 @@ class Incoming:
             fd, self.fds[i] = self.fds[i], -1
             seg = self.segments[i] = _shared.attach_fd(fd, size, owned=True)
         return seg
+
+    def viewed_copy(self, i: int, seg: shm_core.Segment) -> None:
+        """A view of the message's copy segment exists: give back its in-flight count (once)."""
+        if i not in self.copies_viewed:
+            self.copies_viewed.add(i)
+            seg.fetch_add(_recycle.PENDING, -1)
+            _recycle.received(seg)
 
     def named(self, name: str, dir: str, size: int | None) -> shm_core.Segment:
         # one in-flight count per segment per message, see Outgoing.named_ref
@@ -204,7 +225,7 @@ def _named_ref_alone(seg):
 
 def _segment_for(ref, size: int) -> shm_core.Segment:
     kind = ref[0]
-    if kind == "m":
+    if kind in ("m", "c"):
         ctx = _current()
         if not isinstance(ctx, Incoming):
             raise shm_core.SegmentError("a message-descriptor handle was unpickled outside an arraymp channel")
@@ -243,7 +264,10 @@ def rebuild_ndarray(ref, size, offset, shape, strides, dtype, readonly):
         raise shm_core.SegmentError(f"array handle has {len(shape)} dimensions but {len(strides)} strides")
     seg = _segment_for(ref, size)
     _check_extent(seg.size, offset, shape, strides, dtype.itemsize)
-    return seg.ndarray(shape, dtype, offset, strides, readonly=readonly)
+    arr = seg.ndarray(shape, dtype, offset, strides, readonly=readonly)
+    if ref[0] == "c":
+        _current().viewed_copy(ref[1], seg)
+    return arr
 
 
 def _c_strides(shape, itemsize):

@@ -1,0 +1,334 @@
+"""``Pool``: the stdlib's process pool over our channels, surviving dead workers
+(adapts multiprocessing/pool.py).
+
+What changed from the stdlib, and why::
+
+    apply/map/imap ─▶ task handler ──inqueue (SimpleQueue)──▶ worker ─┐
+                                                                      │ ("started", pid, job, i)
+    AsyncResult ◀── result handler ◀──outqueue (SimpleQueue)──────────┘ (job, i, result)
+                          ▲
+    worker handler ───────┘ ("exited", pid, exitcode) when a worker's sentinel fires
+
+- Both queues are our seqpacket ``SimpleQueue``, whatever the context: task
+  arguments and results carry their arrays by shared memory (DESIGN.md).
+- Each worker says which task it starts before running it; the result handler
+  remembers, per worker pid, the task it runs. When the worker handler sees a
+  worker exit it reports the exit on the outqueue, after everything the worker
+  sent, so the result handler fails exactly the task the worker had not
+  finished with ``WorkerLostError`` (the stdlib's Pool waits forever there).
+  The worker is replaced as before; tasks never taken stay in the inqueue.
+- The worker handler no longer wakes on every queued result (the stdlib waits
+  on the outqueue's reader too, which spins while results are pending); it
+  wakes on worker exits and on the change notifier, which is all it acts on.
+- Workers run a full garbage collection when they go idle, at most every
+  ``GC_INTERVAL`` seconds while busy, and at exit, so views of shared memory
+  caught in reference cycles do not pin segments.
+
+The task index in ``WorkerLostError`` is the item's for ``apply`` and for
+``imap`` / ``imap_unordered`` with chunksize 1, else the chunk's.
+
+Note [group]: workers join the parent's shm_manager group (its token is a
+worker argument), whatever the start method. A worker in a group of its own
+(a forkserver child, or a fork made before the parent joined a group) would
+leave its named segments to a daemon that unlinks them when the worker exits,
+while the parent still holds the results.
+
+Note [lost tasks]: a worker killed after it took a task from the inqueue but
+before its "started" message went out (while unpickling the task's
+arguments) loses that task without a trace; the window is the unpickling of
+one task.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import queue
+import signal
+import threading
+import time
+from multiprocessing import get_context, util
+from multiprocessing import pool as mp_pool
+
+import shm_manager
+
+from ._queues import SimpleQueue
+from ._reductions import init_reductions
+
+GC_INTERVAL = 0.1  # seconds between full collections in a busy worker (one costs ~2.5 ms)
+_IDLE_WAIT = 0.05  # a worker that finds no task within this collects before blocking
+_STARTED = "started"
+_EXITED = "exited"
+
+
+class WorkerLostError(Exception):
+    """Raised when a pool worker died (a signal, the out-of-memory killer, ``os._exit``)
+    while running the task whose result is asked for."""
+
+    def __init__(self, pid: int, exitcode: int | None, index: int, kind: str = "task"):
+        self.pid, self.exitcode, self.index, self.kind = pid, exitcode, index, kind
+        super().__init__(pid, exitcode, index, kind)
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.exitcode is None or self.exitcode >= 0:
+            return None
+        try:
+            return signal.Signals(-self.exitcode).name
+        except ValueError:
+            return f"signal {-self.exitcode}"
+
+    def __str__(self) -> str:
+        name = self.signal_name
+        how = f"died with signal {name}" if name else f"exited with code {self.exitcode}"
+        hint = " (often the out-of-memory killer: see `dmesg`)" if name == "SIGKILL" else ""
+        return (f"worker {self.pid} {how} while running task {self.index} of {self.kind}{hint}; the pool "
+                "replaced it and goes on with the other tasks; resubmit this one, or give it less memory")
+
+    def __reduce__(self):
+        return type(self), (self.pid, self.exitcode, self.index, self.kind)
+
+
+def _kind(result) -> str:
+    if isinstance(result, mp_pool.MapResult):
+        return "map"
+    if isinstance(result, mp_pool.IMapUnorderedIterator):
+        return "imap_unordered"
+    if isinstance(result, mp_pool.IMapIterator):
+        return "imap"
+    return "apply"
+
+
+def _next_task(inqueue, dirty: bool):
+    """The next task; collect garbage first when no task comes within _IDLE_WAIT."""
+    if dirty and not inqueue._reader.poll(_IDLE_WAIT):
+        gc.collect()
+    return inqueue.get()
+
+
+def worker(inqueue, outqueue, initializer=None, initargs=(), maxtasks=None, wrap_exception=False, group=None):
+    """The stdlib's pool worker, plus the group, the "started" message and the garbage collections."""
+    if maxtasks is not None and not (isinstance(maxtasks, int) and maxtasks >= 1):
+        raise AssertionError(f"Maxtasks {maxtasks!r} is not valid")
+    if group is not None:
+        shm_manager.join_group(group)  # see Note [group]
+    init_reductions()
+    put = outqueue.put
+    pid = os.getpid()
+    inqueue._writer.close()
+    outqueue._reader.close()
+    if initializer is not None:
+        initializer(*initargs)
+
+    completed, dirty, last_gc = 0, False, time.monotonic()
+    while maxtasks is None or completed < maxtasks:
+        try:
+            task = _next_task(inqueue, dirty)
+        except (EOFError, OSError):
+            util.debug("worker got EOFError or OSError -- exiting")
+            break
+        if task is None:
+            util.debug("worker got sentinel -- exiting")
+            break
+
+        job, i, func, args, kwds = task
+        put((_STARTED, pid, job, i))
+        try:
+            result = (True, func(*args, **kwds))
+        except Exception as e:
+            if wrap_exception and func is not mp_pool._helper_reraises_exception:
+                e = mp_pool.ExceptionWithTraceback(e, e.__traceback__)
+            result = (False, e)
+        try:
+            put((job, i, result))
+        except Exception as e:
+            wrapped = mp_pool.MaybeEncodingError(e, result[1])
+            util.debug(f"Possible encoding error while sending result: {wrapped}")
+            put((job, i, (False, wrapped)))
+
+        task = job = result = func = args = kwds = None
+        completed += 1
+        now = time.monotonic()
+        if now - last_gc >= GC_INTERVAL:
+            gc.collect()
+            dirty, last_gc = False, time.monotonic()
+        else:
+            dirty = True
+    gc.collect()
+    util.debug(f"worker exiting after {completed} tasks")
+
+
+class Pool(mp_pool.Pool):
+    """``multiprocessing.pool.Pool`` whose arrays travel by shared memory and which survives dead workers.
+
+    ``context`` chooses the start method (any ``multiprocessing`` context);
+    the queues are always ours. A worker that dies while running a task fails
+    that task's result with :class:`WorkerLostError` and is replaced.
+    """
+
+    def __init__(self, processes=None, initializer=None, initargs=(), maxtasksperchild=None, context=None):
+        # The stdlib's __init__ (3.10-3.13 alike), with this class's handlers as the threads' targets.
+        self._pool = []
+        self._state = mp_pool.INIT
+        init_reductions()
+        self._ctx = context or get_context()
+        self._setup_queues()
+        self._taskqueue = queue.SimpleQueue()
+        self._change_notifier = SimpleQueue()
+        self._cache = mp_pool._PoolCache(notifier=self._change_notifier)
+        self._maxtasksperchild = maxtasksperchild
+        self._initializer = initializer
+        self._initargs = initargs
+
+        if processes is None:
+            processes = getattr(os, "process_cpu_count", os.cpu_count)() or 1
+        if processes < 1:
+            raise ValueError("Number of processes must be at least 1")
+        if maxtasksperchild is not None:
+            if not isinstance(maxtasksperchild, int) or maxtasksperchild <= 0:
+                raise ValueError("maxtasksperchild must be a positive int or None")
+        if initializer is not None and not callable(initializer):
+            raise TypeError("initializer must be a callable")
+
+        self._processes = processes
+        try:
+            self._repopulate_pool()
+        except Exception:
+            for p in self._pool:
+                if p.exitcode is None:
+                    p.terminate()
+            for p in self._pool:
+                p.join()
+            raise
+
+        cls = type(self)
+        self._worker_handler = self._thread(cls._handle_workers, (
+            self._cache, self._taskqueue, self._ctx, self.Process, self._processes, self._pool, self._inqueue,
+            self._outqueue, self._initializer, self._initargs, self._maxtasksperchild, self._wrap_exception,
+            self._get_sentinels(), self._change_notifier))
+        self._task_handler = self._thread(cls._handle_tasks, (
+            self._taskqueue, self._quick_put, self._outqueue, self._pool, self._cache))
+        self._result_handler = self._thread(cls._handle_results, (self._outqueue, self._quick_get, self._cache))
+        self._terminate = util.Finalize(
+            self, self._terminate_pool,
+            args=(self._taskqueue, self._inqueue, self._outqueue, self._pool, self._change_notifier,
+                  self._worker_handler, self._task_handler, self._result_handler, self._cache),
+            exitpriority=15)
+        self._state = mp_pool.RUN
+
+    @staticmethod
+    def _thread(target, args) -> threading.Thread:
+        t = threading.Thread(target=target, args=args, daemon=True)
+        t._state = mp_pool.RUN
+        t.start()
+        return t
+
+    def _setup_queues(self):
+        self._inqueue = SimpleQueue()
+        self._outqueue = SimpleQueue()
+        self._quick_put = self._inqueue._writer.send
+        self._quick_get = self._outqueue._reader.recv
+
+    def _get_sentinels(self):
+        return [self._change_notifier._reader]
+
+    @staticmethod
+    def _repopulate_pool_static(ctx, Process, processes, pool, inqueue, outqueue, initializer, initargs,
+                                maxtasksperchild, wrap_exception):
+        group = shm_manager.group()
+        for _ in range(processes - len(pool)):
+            w = Process(ctx, target=worker, args=(inqueue, outqueue, initializer, initargs, maxtasksperchild,
+                                                  wrap_exception, group))
+            w.name = w.name.replace("Process", "PoolWorker")
+            w.daemon = True
+            w.start()
+            pool.append(w)
+            util.debug("added worker")
+
+    @classmethod
+    def _maintain_pool(cls, ctx, Process, processes, pool, inqueue, outqueue, initializer, initargs,
+                       maxtasksperchild, wrap_exception):
+        """Report exited workers to the result handler, reap them and start replacements."""
+        cleaned = False
+        for k in reversed(range(len(pool))):
+            w = pool[k]
+            if w.exitcode is not None:
+                try:
+                    outqueue.put((_EXITED, w.pid, w.exitcode))
+                except OSError:  # the pool is being torn down
+                    pass
+                w.join()
+                del pool[k]
+                cleaned = True
+        if cleaned:
+            cls._repopulate_pool_static(ctx, Process, processes, pool, inqueue, outqueue, initializer, initargs,
+                                        maxtasksperchild, wrap_exception)
+
+    @staticmethod
+    def _handle_results(outqueue, get, cache):
+        thread = threading.current_thread()
+        running: dict[int, tuple[int, int]] = {}  # worker pid -> (job, i) it runs
+        owner: dict[tuple[int, int], int] = {}  # (job, i) -> worker pid
+
+        def handle(task) -> None:
+            if len(task) == 4:  # (_STARTED, pid, job, i)
+                _, pid, job, i = task
+                running[pid] = (job, i)
+                owner[job, i] = pid
+                return
+            if task[0] == _EXITED:
+                _, pid, exitcode = task
+                lost = running.pop(pid, None)
+                if lost is None:
+                    return
+                del owner[lost]
+                job, i = lost
+                result = cache.get(job)
+                if result is not None:
+                    result._set(i, (False, WorkerLostError(pid, exitcode, i, _kind(result))))
+                return
+            job, i, obj = task
+            pid = owner.pop((job, i), None)
+            if pid is not None:
+                running.pop(pid, None)
+            try:
+                cache[job]._set(i, obj)
+            except KeyError:
+                pass
+
+        while True:
+            try:
+                task = get()
+            except (OSError, EOFError):
+                util.debug("result handler got EOFError/OSError -- exiting")
+                return
+            if thread._state != mp_pool.RUN:
+                util.debug("result handler found thread._state=TERMINATE")
+                break
+            if task is None:
+                util.debug("result handler got sentinel")
+                break
+            handle(task)
+            task = None
+
+        while cache and thread._state != mp_pool.TERMINATE:
+            try:
+                task = get()
+            except (OSError, EOFError):
+                util.debug("result handler got EOFError/OSError -- exiting")
+                return
+            if task is None:
+                util.debug("result handler ignoring extra sentinel")
+                continue
+            handle(task)
+            task = None
+
+        util.debug("ensuring that outqueue is not full")
+        try:
+            for _ in range(10):
+                if not outqueue._reader.poll():
+                    break
+                get()
+        except (OSError, EOFError):
+            pass
+        util.debug(f"result handler exiting: len(cache)={len(cache)}, thread._state={thread._state}")

@@ -1,0 +1,224 @@
+"""The Pool suite, bound to a start method by test_pool_<method>.py."""
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import _pool_targets as T
+import mp_reductions as mpr
+import numpy as np
+import pytest
+import shm_manager
+
+TIMEOUT = 30
+
+
+def shm_names(pids) -> set[str]:
+    """Our named segments made by the processes ``pids`` (other programs' segments are not counted)."""
+    pids = {str(p) for p in pids}
+    return {n for n in os.listdir("/dev/shm") if n.startswith("arraymp_") and n.split("_")[3] in pids}
+
+
+def memfd_mappings() -> int:
+    """Distinct arraymp memfd segments mapped in this process."""
+    with open("/proc/self/maps") as f:
+        return len({line.split()[4] for line in f if "/memfd:arraymp" in line})
+
+
+def wait_for_pid(slots, k=0) -> int:
+    deadline = time.monotonic() + TIMEOUT
+    while slots[k] == 0:
+        assert time.monotonic() < deadline, "the task never started"
+        time.sleep(0.005)
+    return int(slots[k])
+
+
+def timed(fn, *args):
+    t0 = time.monotonic()
+    out = fn(*args)
+    return out, time.monotonic() - t0
+
+
+class PoolSuite:
+    method = None
+
+    @pytest.fixture
+    def ctx(self):
+        return multiprocessing.get_context(self.method)
+
+    def test_every_call_equals_a_serial_run(self, ctx):
+        xs = list(range(40))
+        with mpr.Pool(2, context=ctx) as pool:
+            assert pool.map(T.square, xs) == [T.square(x) for x in xs]
+            assert pool.map(T.square, xs, chunksize=7) == [T.square(x) for x in xs]
+            assert pool.starmap(T.add, zip(xs, xs, strict=True)) == [T.add(x, x) for x in xs]
+            assert list(pool.imap(T.square, xs)) == [T.square(x) for x in xs]
+            assert list(pool.imap(T.square, xs, chunksize=3)) == [T.square(x) for x in xs]
+            assert sorted(pool.imap_unordered(T.square, xs)) == [T.square(x) for x in xs]
+            assert sorted(pool.imap_unordered(T.square, xs, chunksize=4)) == [T.square(x) for x in xs]
+            assert pool.apply(T.add, (2, 3)) == 5
+            got = []
+            r = pool.map_async(T.square, xs, callback=got.append)
+            assert r.get(TIMEOUT) == [T.square(x) for x in xs]
+            assert pool.starmap_async(T.add, [(1, 2), (3, 4)]).get(TIMEOUT) == [3, 7]
+            assert pool.apply_async(T.square, (9,)).get(TIMEOUT) == 81
+            arrays = [np.full(50_000, i, np.float64) for i in range(6)]
+            doubled = pool.map(T.double, arrays)
+            assert all((d == 2 * a).all() and mpr.is_shared(d) for d, a in zip(doubled, arrays, strict=True))
+            bigs = list(pool.imap(T.big, range(4)))
+            assert [float(b[0, 0]) for b in bigs] == [0, 1, 2, 3] and all(mpr.is_shared(b) for b in bigs)
+            with pytest.raises(ValueError, match="bad 3"):
+                pool.apply(T.fail, (3,))
+            errors = []
+            pool.map_async(T.fail, [1], error_callback=errors.append).wait(TIMEOUT)
+            assert isinstance(errors[0], ValueError)
+        assert got == [[T.square(x) for x in xs]]
+        pool.join()
+
+    def test_initializer_and_maxtasksperchild(self, ctx):
+        with mpr.Pool(2, initializer=T.set_value, initargs=("hello",), maxtasksperchild=2, context=ctx) as pool:
+            assert pool.map(T.get_value, range(6), chunksize=1) == ["hello"] * 6
+            pids = pool.map(T.getpid, range(12), chunksize=1)
+            assert len(set(pids)) >= 6  # each worker ran at most 2 tasks
+            assert pool.map(T.square, range(10)) == [x * x for x in range(10)]
+            pool.close()
+            pool.join()
+
+    def test_sigkill_of_a_busy_worker_fails_its_task_only(self, ctx):
+        slots = mpr.zeros_shared((1,), np.int64)
+        pool = mpr.Pool(2, context=ctx)
+        blocked = pool.apply_async(T.pid_then_sleep, (slots, 0, 60))
+        pid = wait_for_pid(slots)
+        queued = pool.map_async(T.square, range(20), chunksize=1)  # some wait in the inqueue
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(mpr.WorkerLostError) as info:
+            _, dt = timed(blocked.get, 5)
+        err = info.value
+        assert err.pid == pid and err.signal_name == "SIGKILL" and err.kind == "apply" and err.index == 0
+        assert f"worker {pid} died with signal SIGKILL while running task 0 of apply" in str(err)
+        assert pickle_roundtrip(err).pid == pid
+        assert queued.get(TIMEOUT) == [x * x for x in range(20)]  # never started: not lost
+        assert pool.map(T.square, range(10)) == [x * x for x in range(10)]  # replaced; still serving
+        assert pid not in pool.map(T.getpid, range(8), chunksize=1)
+        pool.close()
+        _, dt = timed(pool.join)
+        assert dt < 1
+
+    def test_lost_chunk_fails_the_whole_map_and_imap_at_its_position(self, ctx):
+        slots = mpr.zeros_shared((1,), np.int64)
+        with mpr.Pool(2, context=ctx) as pool:
+            whole = pool.starmap_async(T.square_or_block, [(x, slots) for x in range(8)], chunksize=1)
+            os.kill(wait_for_pid(slots), signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(mpr.WorkerLostError, match="task 3 of map"):
+                whole.get(5)
+            assert time.monotonic() - t0 < 1
+
+            slots[0] = 0
+            it = pool.imap(T.square_or_block_pair, [(x, slots) for x in range(6)])
+            assert [next(it) for _ in range(3)] == [0, 1, 4]
+            os.kill(wait_for_pid(slots), signal.SIGKILL)
+            with pytest.raises(mpr.WorkerLostError, match="task 3 of imap"):
+                it.next(5)
+            assert [it.next(TIMEOUT) for _ in range(2)] == [16, 25]
+
+            slots[0] = 0
+            blocked = pool.apply_async(T.pid_then_sleep, (slots, 0, 60))
+            wait_for_pid(slots)
+            _, dt = timed(pool.terminate)
+            assert dt < 1
+            assert not blocked.ready()  # terminate() leaves unfinished results pending, as the stdlib does
+
+    def test_sigkill_of_an_idle_worker_loses_nothing(self, ctx):
+        with mpr.Pool(2, context=ctx) as pool:
+            pids = {p.pid for p in pool._pool}
+            victim = pids.pop()
+            os.kill(victim, signal.SIGKILL)
+            deadline = time.monotonic() + 5
+            while victim in {p.pid for p in pool._pool} or len(pool._pool) < 2:
+                assert time.monotonic() < deadline, "the idle worker was not replaced"
+                time.sleep(0.01)
+            assert pool.map(T.square, range(50), chunksize=1) == [x * x for x in range(50)]
+            assert victim not in pool.map(T.getpid, range(8), chunksize=1)
+            pool.close()
+            _, dt = timed(pool.join)
+            assert dt < 1
+
+    @pytest.mark.parametrize("strategy_name", ["file_descriptor", "file_system"])
+    def test_many_results_one_segment_per_message_none_after(self, ctx, strategy_name):
+        n = 500
+        old = mpr.get_sharing_strategy()
+        mpr.set_sharing_strategy(strategy_name)
+        try:
+            base_maps = memfd_mappings()
+            pool = mpr.Pool(2, initializer=T.share_results, initargs=(strategy_name,), context=ctx)
+            pids = {os.getpid(), *(p.pid for p in pool._pool)}
+
+            def count():
+                return len(shm_names(pids)) if strategy_name == "file_system" else memfd_mappings() - base_maps
+
+            results, peak = [], 0
+            for r in pool.imap_unordered(T.five_arrays, range(n)):
+                results.append(r)
+                if len(results) % 50 == 0:
+                    peak = max(peak, count())
+            pool.close()
+            pool.join()
+            assert sorted(float(r[0][0, 0]) for r in results) == list(range(n))
+            assert all(mpr.is_shared(a) for r in results for a in r)
+            alive = count()
+            assert alive == n, f"{alive} segments for {n} result messages of 5 arrays each"
+            if strategy_name == "file_system":  # the workers' segments are the parent's group's, not theirs
+                assert {name.split("_")[2] for name in shm_names(pids)} == {shm_manager.group()}
+            assert peak <= n
+            del results, r
+            deadline = time.monotonic() + 5
+            while count() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert count() == 0
+        finally:
+            mpr.set_sharing_strategy(old)
+
+    def test_nothing_left_after_the_process_exits_holding_results(self, tmp_path):
+        script = tmp_path / "hold.py"
+        script.write_text(HOLD_SCRIPT)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(T.__file__), *sys.path])}
+        out = subprocess.run([sys.executable, str(script), self.method], capture_output=True, text=True,
+                             timeout=TIMEOUT * 2, env=env)
+        assert out.returncode == 0, out.stderr
+        pids = [int(p) for p in out.stdout.split()]
+        assert len(pids) == 3
+        deadline = time.monotonic() + 5
+        while shm_names(pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not shm_names(pids)
+
+
+def pickle_roundtrip(obj):
+    import pickle
+
+    return pickle.loads(pickle.dumps(obj))
+
+
+HOLD_SCRIPT = """
+import os, sys
+import multiprocessing
+import mp_reductions as mpr
+import _pool_targets as T
+
+if __name__ == "__main__":
+    mpr.init_reductions()
+    mpr.set_sharing_strategy("file_system")
+    pool = mpr.Pool(2, initializer=T.share_results, initargs=("file_system",),
+                    context=multiprocessing.get_context(sys.argv[1]))
+    pids = [os.getpid(), *(p.pid for p in pool._pool)]
+    results = list(pool.imap_unordered(T.five_arrays, range(200)))
+    assert len(os.listdir("/dev/shm")) >= 200
+    pool.close()
+    pool.join()
+    print(*pids)
+    # exits holding every result
+"""

@@ -1,0 +1,70 @@
+"""Functions run in pool workers (importable under spawn and forkserver)."""
+
+import os
+import time
+
+import mp_reductions as mpr
+import numpy as np
+
+VALUE = None
+
+
+def square(x):
+    return x * x
+
+
+def add(x, y):
+    return x + y
+
+
+def double(a):
+    return a * 2
+
+
+def big(i):
+    return np.full((300, 300), i, np.float32)  # 360 KB: by shared memory
+
+
+def five_arrays(i):
+    return [np.full((100, 100), i, np.float32) for _ in range(5)]
+
+
+def getpid(_=None):
+    return os.getpid()
+
+
+def pid_then_sleep(slots, k, seconds):
+    """Publish this worker's pid in ``slots[k]`` (a shared array), then block."""
+    slots[k] = os.getpid()
+    time.sleep(seconds)
+    return k
+
+
+def square_or_block(x, slots, blocked=3):
+    if x == blocked:
+        pid_then_sleep(slots, 0, 60)
+    return x * x
+
+
+def set_value(v):
+    global VALUE
+    VALUE = v
+
+
+def get_value(_=None):
+    return VALUE
+
+
+def fail(x):
+    raise ValueError(f"bad {x}")
+
+
+def share_results(strategy):
+    """Initializer: every result goes by shared memory, with ``strategy``."""
+    mpr.init_reductions()
+    mpr.set_inline_threshold(0)
+    mpr.set_sharing_strategy(strategy)
+
+
+def square_or_block_pair(args):
+    return square_or_block(*args)

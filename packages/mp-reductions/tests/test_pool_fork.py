@@ -1,0 +1,5 @@
+from _pool_suite import PoolSuite
+
+
+class TestPoolFork(PoolSuite):
+    method = "fork"
