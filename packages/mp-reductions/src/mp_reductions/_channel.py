@@ -6,7 +6,8 @@ process killed anywhere leaves no lock held and no half message behind.
 
 Wire format of one message::
 
-    b"P" + pickle                      the pickle inline (up to INLINE bytes)
+    b"P" + pickle                      the pickle inline (up to INLINE bytes), naming no shared memory
+    b"H" + pickle                      the same, naming shared memory (handles)
     b"S" + 8-byte length               the pickle is in a memfd, the last descriptor
 
 with the descriptors of the arrays' segments as SCM_RIGHTS in the same sendmsg.
@@ -14,14 +15,16 @@ with the descriptors of the arrays' segments as SCM_RIGHTS in the same sendmsg.
 
 from __future__ import annotations
 
+import copyreg
 import io
 import os
+import pickle
 import socket
 from multiprocessing.reduction import ForkingPickler
 
 import shm_core
 
-from ._reductions import MAX_FDS, Incoming, Outgoing, message
+from ._reductions import MAX_FDS, Incoming, Outgoing, tls
 
 INLINE = 64 * 1024
 SOCKBUF = 1 << 20
@@ -35,28 +38,55 @@ def socketpair() -> tuple[socket.socket, socket.socket]:
     return a, b
 
 
+class _Pickler(pickle.Pickler):
+    """ForkingPickler's reducers over copyreg's, in a class attribute refreshed only
+    when a registration changed (ForkingPickler copies this table for every message)."""
+
+    dispatch_table: dict = {}
+    _key = None
+
+    @classmethod
+    def refresh(cls) -> None:
+        extra = ForkingPickler._extra_reducers
+        key = (len(copyreg.dispatch_table), *extra.values())
+        if key != cls._key:
+            cls._key, cls.dispatch_table = key, {**copyreg.dispatch_table, **extra}
+
+
+def _pickle(obj, out: Outgoing) -> tuple[Outgoing, memoryview]:
+    buf = io.BytesIO()
+    saved, tls.ctx = tls.ctx, out
+    try:
+        _Pickler.refresh()
+        _Pickler(buf, 4).dump(obj)
+        out.finish()
+    except BaseException:
+        out.abort()
+        raise
+    finally:
+        tls.ctx = saved
+    return out, buf.getbuffer()
+
+
 class Packet:
     """One pickled message ready to send: its buffers, descriptors and keep-alives."""
 
     __slots__ = ("buffers", "fds", "keep", "out")
 
     def __init__(self, obj=None, *, raw: bytes | None = None):
-        out = self.out = Outgoing()
         if raw is None:
-            buf = io.BytesIO()
-            with message(out):
-                try:
-                    ForkingPickler(buf, 4).dump(obj)
-                    out.finish()
-                except BaseException:
-                    out.abort()
-                    raise
-            payload = buf.getbuffer()
+            out, payload = _pickle(obj, Outgoing())
+            if len(payload) > INLINE and out.inlined:
+                # Too big for one socket message: rather than spill the whole
+                # pickle, send its small arrays by shared memory too.
+                out.abort()
+                out, payload = _pickle(obj, Outgoing(share_all=True))
         else:
-            payload = raw
+            out, payload = Outgoing(), raw
+        self.out = out
         self.fds, self.keep = out.fds, out.keep
         if len(payload) <= INLINE:
-            self.buffers = [b"P", payload]
+            self.buffers = [b"H" if out.handles else b"P", payload]
         else:
             spill = shm_core.create_anonymous(len(payload))
             memoryview(spill)[:] = payload
@@ -100,13 +130,18 @@ def recv_raw(sock: socket.socket, flags: int = 0) -> tuple[bytes | memoryview, l
         data = bytes(memoryview(seg))
         seg.close()
         return data, fds
+    if data[:1] == b"P":
+        return memoryview(data)[1:], None  # names no shared memory: a plain pickle
     return memoryview(data)[1:], fds
 
 
-def loads(data: bytes, fds: list[int]):
+def loads(data: bytes, fds: list[int] | None):
+    if fds is None:
+        return pickle.loads(data)
     inc = Incoming(fds)
+    saved, tls.ctx = tls.ctx, inc
     try:
-        with message(inc):
-            return ForkingPickler.loads(data)
+        return pickle.loads(data)
     finally:
+        tls.ctx = saved
         inc.close()

@@ -115,7 +115,7 @@ class Connection:
 
 
 def _close_all(fds) -> None:
-    for fd in fds:  # a bytes message carries no descriptors; never leak any
+    for fd in fds or ():  # a bytes message carries no descriptors; never leak any
         os.close(fd)
 
 

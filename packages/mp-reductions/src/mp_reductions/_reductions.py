@@ -35,13 +35,15 @@ from . import _recycle, _shared
 from ._strategy import get_inline_threshold, get_sharing_strategy
 
 MAX_FDS = 250  # the kernel passes at most 253 descriptors in one message (SCM_MAX_FD)
-_tls = threading.local()
 
 
 class Outgoing:
     """What a message being pickled needs besides its bytes: descriptors and copies."""
 
-    def __init__(self):
+    def __init__(self, share_all: bool = False):
+        self.share_all = share_all  # no array inline: the message would not fit the socket otherwise
+        self.inlined = 0  # arrays that went inline
+        self.handles = False  # the message names shared memory (the receiver needs an Incoming)
         self.fds: list[int] = []
         self.keep: list = []  # objects whose descriptors or counts must live until sent
         self._index: dict[int, int] = {}
@@ -49,8 +51,10 @@ class Outgoing:
         self._copy_size = 0
         self._copy_ref = None
         self.recycled: shm_core.Segment | None = None  # the message's copy segment (file_descriptor)
+        self.named_copy: shm_core.Segment | None = None  # the message's copy segment (file_system)
 
     def fd_ref(self, seg: shm_core.Segment, fd: int) -> tuple:
+        self.handles = True
         i = self._index.get(id(seg))
         if i is None:
             if len(self.fds) >= MAX_FDS:
@@ -63,6 +67,7 @@ class Outgoing:
         return ("m", i)
 
     def named_ref(self, seg: shm_core.Segment) -> tuple:
+        self.handles = True
         if id(seg) not in self._index:
             self._index[id(seg)] = -1
             seg.incref()  # the in-flight count, see _shared Note [named segments]
@@ -70,6 +75,7 @@ class Outgoing:
         return ("n", seg.name, seg.dir)
 
     def copy_ref(self, arr: np.ndarray) -> tuple[tuple, int]:
+        self.handles = True
         offset = self._copy_size
         self._copy_size = _shared._aligned(offset + arr.nbytes)
         self._copies.append((arr, offset))
@@ -88,7 +94,7 @@ class Outgoing:
         kind = self._copy_ref[0]
         if kind == "n":
             mgr = _shared._manager()
-            seg = shm_core.create(self._copy_size, name=self._copy_ref[1])
+            seg = self.named_copy = shm_core.create(self._copy_size, name=self._copy_ref[1])
             seg.incref()  # in flight; nobody here holds it
             mgr.register(seg.name)
         else:
@@ -102,6 +108,7 @@ class Outgoing:
     def sent(self) -> None:
         """The message is in the socket: what it held may go, its copy segment back to the pool."""
         self.keep.clear()
+        self.named_copy = None
         if self.recycled is not None:
             _recycle.sent(self.recycled)
             self.recycled = None
@@ -112,6 +119,9 @@ class Outgoing:
             if isinstance(obj, shm_core.Segment) and obj.name and self._index.get(id(obj)) == -1:
                 obj.decref()
         self.keep.clear()
+        if self.named_copy is not None:
+            _shared._release_named(self.named_copy)
+            self.named_copy = None
         if self.recycled is not None:
             self.recycled.fetch_add(_recycle.PENDING, -1)
             _recycle.sent(self.recycled)
@@ -156,23 +166,16 @@ class Incoming:
         self.fds = []
 
 
-class message:
-    """Context manager setting this thread's Outgoing or Incoming message."""
+class _TLS(threading.local):
+    ctx = None
 
-    def __init__(self, ctx):
-        self.ctx = ctx
 
-    def __enter__(self):
-        self.saved = getattr(_tls, "ctx", None)
-        _tls.ctx = self.ctx
-        return self.ctx
-
-    def __exit__(self, *exc):
-        _tls.ctx = self.saved
+#: this thread's message being pickled (Outgoing) or unpickled (Incoming); set by _channel
+tls = _TLS()
 
 
 def _current():
-    return getattr(_tls, "ctx", None)
+    return tls.ctx
 
 
 def _readonly(arr: np.ndarray) -> bool:
@@ -186,7 +189,9 @@ def reduce_ndarray(arr: np.ndarray):
     found = _shared.segment_of(arr)
     ctx = _current()
     if found is None:
-        if arr.nbytes < get_inline_threshold() or arr.nbytes == 0:
+        if arr.nbytes == 0 or (arr.nbytes < get_inline_threshold() and not (ctx and ctx.share_all)):
+            if isinstance(ctx, Outgoing):
+                ctx.inlined += 1
             return arr.__reduce__()
         if isinstance(ctx, Outgoing):
             ref, offset = ctx.copy_ref(arr)
@@ -287,6 +292,9 @@ def init_reductions() -> None:
     if reduction.ForkingPickler._extra_reducers.get(np.ndarray) is reduce_ndarray:
         return
     reduction.ForkingPickler.register(np.ndarray, reduce_ndarray)
+    # Join (or start) this program's shm-manager group now: a child joins its
+    # parent's, and a new program sweeps what dead groups left in /dev/shm.
+    _shared._manager().group()
     try:
         import shm_cuda
     except ImportError:

@@ -223,7 +223,7 @@ def segment_of(arr: np.ndarray) -> tuple[shm_core.Segment, int] | None:
         base = base.obj
     if not isinstance(base, shm_core.Segment):
         return None
-    return base, arr.__array_interface__["data"][0] - base.address - shm_core.HEADER_SIZE
+    return base, shm_core.address(arr) - base.address - shm_core.HEADER_SIZE
 
 
 def is_shared(arr) -> bool:

@@ -12,7 +12,7 @@ if not sys.platform.startswith("linux"):  # pragma: no cover
     raise ImportError(f"shm-core supports Linux only (memfd, tmpfs, futex); this is {sys.platform}")
 
 from ._fds import recv_fds, send_fds
-from ._native import Mapping
+from ._native import Mapping, address
 from ._segment import (
     DEFAULT_PREFIX,
     HEADER_SIZE,
@@ -42,6 +42,7 @@ __all__ = [
     "Segment",
     "SegmentError",
     "SharedMemoryFullError",
+    "address",
     "attach",
     "attach_fd",
     "create",

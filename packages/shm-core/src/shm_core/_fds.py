@@ -9,6 +9,7 @@ and OSError names the cause.
 from __future__ import annotations
 
 import array
+import functools
 import os
 import socket
 
@@ -21,9 +22,16 @@ def send_fds(sock: socket.socket, buffers, fds=(), flags: int = 0) -> int:
     return sock.sendmsg(buffers, anc, flags)
 
 
+@functools.lru_cache(maxsize=8)
+def _space(maxfds: int) -> int:
+    return socket.CMSG_SPACE(maxfds * _FD_SIZE)
+
+
 def recv_fds(sock: socket.socket, bufsize: int, maxfds: int, flags: int = 0) -> tuple[bytes, list[int], int]:
     """Receive one message: ``(data, fds, msg_flags)``; raises OSError on truncation."""
-    data, anc, msg_flags, _addr = sock.recvmsg(bufsize, socket.CMSG_SPACE(maxfds * _FD_SIZE), flags)
+    data, anc, msg_flags, _addr = sock.recvmsg(bufsize, _space(maxfds), flags)
+    if not anc and not msg_flags & socket.MSG_TRUNC:
+        return data, [], msg_flags
     fds = array.array("i")
     for level, kind, payload in anc:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:

@@ -474,7 +474,22 @@ static PyTypeObject MappingType = {
     .tp_new = PyType_GenericNew,
 };
 
+/* The address of the first element of any strided buffer (a numpy array). */
+static PyObject *
+native_address(PyObject *mod, PyObject *obj)
+{
+    Py_buffer view;
+    PyObject *res;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_STRIDES) < 0)
+        return NULL;
+    res = PyLong_FromVoidPtr(view.buf);
+    PyBuffer_Release(&view);
+    return res;
+}
+
 static PyMethodDef native_methods[] = {
+    {"address", native_address, METH_O,
+     "address(buffer) -> address of its first byte (any strides, any dtype)."},
     {"memfd_create", native_memfd_create, METH_VARARGS,
      "memfd_create(name) -> fd (close-on-exec)."},
     {"fallocate", native_fallocate, METH_VARARGS,
