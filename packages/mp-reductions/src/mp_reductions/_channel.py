@@ -20,6 +20,7 @@ import io
 import os
 import pickle
 import socket
+import struct
 from multiprocessing.reduction import ForkingPickler
 
 import shm_core
@@ -111,6 +112,54 @@ class Packet:
         """Never sent: give back what the message held."""
         self.out.abort()
         self.keep = None
+
+
+# -- byte streams (Pipe): one writer and one reader per end, so no need for
+# seqpacket's atomic messages; a stream socket wakes its peer faster.
+_HEAD = struct.Struct("<QB")  # payload length, b"P" or b"H"
+
+
+def send_stream(sock: socket.socket, obj=None, *, raw=None) -> None:
+    """Send one framed message on a stream socket, the descriptors with its first byte."""
+    out, payload = _pickle(obj, Outgoing()) if raw is None else (Outgoing(), raw)
+    head = _HEAD.pack(len(payload), ord("H" if out.handles else "P"))
+    sent = shm_core.send_fds(sock, [head, payload], out.fds)
+    if sent < len(head):  # a large message: the rest goes without descriptors
+        sock.sendall(head[sent:])
+        sent = len(head)
+    if sent - len(head) < len(payload):
+        sock.sendall(memoryview(payload)[sent - len(head):])
+    out.sent()
+
+
+def _recv_exactly(sock: socket.socket, n: int, first: bytes = b"") -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    view[: len(first)] = first
+    got = len(first)
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise EOFError("the other end of the connection closed in the middle of a message")
+        got += k
+    return buf
+
+
+def recv_stream(sock: socket.socket) -> tuple[bytearray, list[int] | None]:
+    """One framed message from a stream socket: its pickle and descriptors (None: a plain pickle)."""
+    head, fds, _ = shm_core.recv_fds(sock, _HEAD.size, MAX_FDS)
+    if not head:
+        for fd in fds:
+            os.close(fd)
+        raise EOFError("the other end of the connection is closed")
+    try:
+        n, kind = _HEAD.unpack(_recv_exactly(sock, _HEAD.size, head))
+        data = _recv_exactly(sock, n)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return data, (fds if kind == ord("H") else None)
 
 
 def recv_raw(sock: socket.socket, flags: int = 0) -> tuple[bytes | memoryview, list[int]]:

@@ -1,4 +1,4 @@
-"""``Pipe()``: a pair of connections over a seqpacket socketpair (adapts multiprocessing/connection.py).
+"""``Pipe()``: a pair of connections over a stream socketpair (adapts multiprocessing/connection.py).
 
 Same API as the stdlib's ``Connection``; ``send`` carries the arrays'
 descriptors in the same sendmsg, so the receiver gets shared memory, not copies.
@@ -10,13 +10,13 @@ import os
 import socket
 from multiprocessing import reduction
 
-from ._channel import Packet, loads, recv_raw, socketpair
+from ._channel import Packet, loads, recv_raw, recv_stream, send_stream
 from ._queues import _wait_readable
 from ._reductions import init_reductions
 
 
 class Connection:
-    """One end of a ``Pipe``."""
+    """One end of a ``Pipe`` (a stream socket), or of a SimpleQueue (a seqpacket one)."""
 
     _sock = None
 
@@ -24,6 +24,20 @@ class Connection:
         if not readable and not writable:
             raise ValueError("at least one of `readable` and `writable` must be True")
         self._sock, self._readable, self._writable = sock, readable, writable
+        if sock.type == socket.SOCK_STREAM:
+            self._send, self._recv = self._send_stream, self._recv_stream
+
+    def _send(self, obj=None, raw=None) -> None:
+        Packet(obj, raw=raw).send(self._sock)
+
+    def _recv(self):
+        return recv_raw(self._sock)
+
+    def _send_stream(self, obj=None, raw=None) -> None:
+        send_stream(self._sock, obj, raw=raw)
+
+    def _recv_stream(self):
+        return recv_stream(self._sock)
 
     def _check(self, readable: bool = False, writable: bool = False) -> None:
         if self._sock is None:
@@ -65,11 +79,11 @@ class Connection:
 
     def send(self, obj) -> None:
         self._check(writable=True)
-        Packet(obj).send(self._sock)
+        self._send(obj)
 
     def recv(self):
         self._check(readable=True)
-        return loads(*recv_raw(self._sock))
+        return loads(*self._recv())
 
     def send_bytes(self, buf, offset: int = 0, size: int | None = None) -> None:
         self._check(writable=True)
@@ -79,13 +93,13 @@ class Connection:
         size = len(m) - offset if size is None else size
         if size < 0 or offset + size > len(m):
             raise ValueError("size is negative or buffer too small")
-        Packet(raw=m[offset:offset + size]).send(self._sock)
+        self._send(raw=m[offset:offset + size])
 
     def recv_bytes(self, maxlength: int | None = None) -> bytes:
         self._check(readable=True)
         if maxlength is not None and maxlength < 0:
             raise ValueError("negative maxlength")
-        data, fds = recv_raw(self._sock)
+        data, fds = self._recv()
         _close_all(fds)
         if maxlength is not None and len(data) > maxlength:
             raise OSError("bad message length")
@@ -93,7 +107,7 @@ class Connection:
 
     def recv_bytes_into(self, buf, offset: int = 0) -> int:
         self._check(readable=True)
-        data, fds = recv_raw(self._sock)
+        data, fds = self._recv()
         _close_all(fds)
         m = memoryview(buf).cast("B")
         if offset < 0 or offset > len(m):
@@ -121,12 +135,12 @@ def _close_all(fds) -> None:
 
 def _rebuild_connection(dupfd, readable, writable):
     init_reductions()
-    return Connection(socket.socket(fileno=dupfd.detach()), readable, writable)
+    return Connection(socket.socket(fileno=dupfd.detach()), readable, writable)  # the type comes with the fd
 
 
 def Pipe(duplex: bool = True) -> tuple[Connection, Connection]:
     """Two connected ends; ``duplex=False`` gives (receive-only, send-only) as the stdlib does."""
-    a, b = socketpair()
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     if duplex:
         return Connection(a), Connection(b)
     return Connection(a, writable=False), Connection(b, readable=False)
