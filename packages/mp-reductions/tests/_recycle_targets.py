@@ -3,8 +3,6 @@
 import random
 import time
 
-import numpy as np
-
 import mp_reductions as mpr
 
 

@@ -4,11 +4,10 @@ import multiprocessing
 import os
 import time
 
-import numpy as np
-import pytest
-
 import _recycle_targets
 import mp_reductions as mpr
+import numpy as np
+import pytest
 from mp_reductions import _recycle
 from mp_reductions._shared import segment_of
 
