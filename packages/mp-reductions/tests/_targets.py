@@ -72,3 +72,4 @@ def get_and_report(q, out):
     mpr.init_reductions()
     x = q.get(timeout=30)
     out.put((os.getpid(), float(x.sum()), bool(mpr.is_shared(x))))
+

@@ -178,6 +178,11 @@ def _current():
     return tls.ctx
 
 
+def _dtype(dt: np.dtype):
+    """A dtype as its short string where that names it exactly (cheaper to pickle), else itself."""
+    return dt.str if dt.names is None and dt.subdtype is None and dt.metadata is None else dt
+
+
 def _readonly(arr: np.ndarray) -> bool:
     return not arr.flags.writeable
 
@@ -196,7 +201,7 @@ def reduce_ndarray(arr: np.ndarray):
         if isinstance(ctx, Outgoing):
             ref, offset = ctx.copy_ref(arr)
             # size None: the message's segment grows while the message is pickled
-            return rebuild_ndarray, (ref, None, offset, arr.shape, None, arr.dtype, _readonly(arr))
+            return rebuild_ndarray, (ref, None, offset, arr.shape, None, _dtype(arr.dtype), _readonly(arr))
         arr = _shared.share_memory(arr)
         found = _shared.segment_of(arr)
     seg, offset = found
@@ -209,7 +214,7 @@ def reduce_ndarray(arr: np.ndarray):
             _shared.warn_copy_resend()
             return reduce_ndarray(np.array(arr, copy=True))
         ref = ctx.fd_ref(seg, fd) if isinstance(ctx, Outgoing) else ("d", _dupfd(fd))
-    return rebuild_ndarray, (ref, seg.size, offset, arr.shape, strides, arr.dtype, _readonly(arr))
+    return rebuild_ndarray, (ref, seg.size, offset, arr.shape, strides, _dtype(arr.dtype), _readonly(arr))
 
 
 def _dupfd(fd: int):

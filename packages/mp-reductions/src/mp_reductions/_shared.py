@@ -17,8 +17,11 @@ Note [named segments]: the header refcount counts holders: every process that
 maps the segment, plus one per message in flight. The sender adds the
 in-flight count before sending; a receiver that already maps the segment gives
 it back, one that does not keeps it as its own. The holder that takes the count
-to zero unlinks the name and tells shm_manager. A crash leaks counts, never
-memory: shm_manager removes a dead group's names.
+to zero unlinks the name and tells shm_manager. Holders tell shm_manager's
+daemon (hold), and give their count back through it (release): so the count of
+a holder that dies, even by SIGKILL, is given back exactly once. What a crash
+can still leak (a message lost in flight, a fork child's inherited count) is
+removed when the group ends.
 
 Small ``empty_shared`` arrays are carved out of per-process arenas (one segment
 holds many arrays), which keeps mappings, descriptors and messages' descriptor
@@ -111,6 +114,8 @@ def _manager():
 
 
 def _release_named(seg: shm_core.Segment) -> None:
+    if _manager().release(seg.name, seg.dir):
+        return  # the daemon takes the count back, and unlinks at zero
     try:
         if seg.decref() == 0:
             seg.unlink()
@@ -120,7 +125,9 @@ def _release_named(seg: shm_core.Segment) -> None:
 
 
 def _adopt_named(seg: shm_core.Segment) -> shm_core.Segment:
+    """This process holds one count of ``seg``; the daemon gives it back if we die."""
     _ensure_exit_hook()
+    _manager().hold(seg.name, seg.dir)
     seg.release_hook = _release_named
     _table.add(("n", seg.name), seg)
     return seg

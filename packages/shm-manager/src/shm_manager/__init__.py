@@ -10,7 +10,7 @@ remove what a group left when its daemon died with it. Nothing of a live group
 or of another user is ever touched.
 """
 
-from ._client import daemon_pid, flush, register, unregister
+from ._client import daemon_pid, flush, hold, register, release, unregister
 from ._gc import gc, list_segments, stats
 from ._group import current_group, group, join_group, new_name
 from ._paths import runtime_dir
@@ -21,10 +21,12 @@ __all__ = [
     "flush",
     "gc",
     "group",
+    "hold",
     "join_group",
     "list_segments",
     "new_name",
     "register",
+    "release",
     "runtime_dir",
     "stats",
     "unregister",

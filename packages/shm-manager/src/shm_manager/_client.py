@@ -10,12 +10,15 @@ name this process still has registered. Nothing here ever raises: without a
 daemon the group keeps working, and a dead group's segments are still removed
 by the next daemon, ``gc`` or the next program's startup sweep.
 
-Frame: ``<u32 length><op><dir>\\0<name>``, op ``R`` (register) or ``U``.
+Frame: ``<u32 length><op><dir>\\0<name>``, op ``R`` (register) or ``U``,
+``H`` (this process holds one count of the segment's refcount) or ``X`` (the
+daemon takes one count back for it: unlinking at zero).
 """
 
 from __future__ import annotations
 
 import os
+import select
 import socket
 import struct
 import sys
@@ -35,11 +38,13 @@ class _Conn:
     pid: int = 0
     pending: bytearray
     names: set
+    holds: dict
     next_try: float = 0.0
 
     def __init__(self):
         self.pending = bytearray()
         self.names = set()
+        self.holds = {}  # (dir, name) -> counts this process holds
         self.pid = os.getpid()
 
 
@@ -85,6 +90,59 @@ def unregister(name: str, dir: str | os.PathLike | None = None) -> None:
             _drain(c)
     except Exception:
         pass
+
+
+def hold(name: str, dir: str | os.PathLike | None = None) -> None:
+    """This process now holds one count of the segment's header refcount (fire-and-forget).
+
+    Should this process die holding it, the daemon gives the count back (and
+    unlinks the segment when that was the last): a SIGKILLed consumer does not
+    pin a segment until its whole group ends.
+    """
+    try:
+        d = shm_core.shm_dir(dir)
+        _group.group()
+        with _lock:
+            c = _conn
+            c.holds[(d, name)] = c.holds.get((d, name), 0) + 1
+            if c.sock is None:
+                _connect(c)  # sends every hold, this one included
+            else:
+                c.pending += _frame(b"H", d, name)
+            _drain(c)
+    except Exception:
+        pass
+
+
+def release(name: str, dir: str | os.PathLike | None = None) -> bool:
+    """Give back one count held with :func:`hold`, through the daemon.
+
+    True: the daemon takes the count off the header (and unlinks the segment
+    when it was the last), exactly once even if this process dies right now.
+    False: no daemon knows of the hold; the caller takes the count off itself.
+    """
+    try:
+        d = shm_core.shm_dir(dir)
+        with _lock:
+            c = _conn
+            n = c.holds.get((d, name), 0)
+            if n <= 1:
+                c.holds.pop((d, name), None)
+            else:
+                c.holds[(d, name)] = n - 1
+            if c.sock is None or not n:
+                return False
+            c.pending += _frame(b"X", d, name)
+            _drain(c)
+            # the daemon must see the release soon (it unlinks at zero): a full socket
+            # waits for it a little, rather than holding the frame until the next call
+            deadline = time.monotonic() + 1.0
+            while c.sock is not None and c.pending and time.monotonic() < deadline:
+                select.select([], [c.sock], [], 0.05)
+                _drain(c)
+            return True
+    except Exception:
+        return False
 
 
 def flush(timeout: float = 1.0) -> bool:
@@ -157,6 +215,7 @@ def _connect(c: _Conn, force: bool = False) -> bool:
         return False
     c.sock = sock
     c.pending = bytearray(b"".join(_frame(b"R", d, n) for d, n in c.names))
+    c.pending += b"".join(_frame(b"H", d, n) * k for (d, n), k in c.holds.items())
     return True
 
 

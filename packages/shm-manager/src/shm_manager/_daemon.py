@@ -38,6 +38,8 @@ import struct
 import sys
 import time
 
+import shm_core
+
 from . import _gc, _paths
 
 _MAX_FRAME = 16 << 10
@@ -59,6 +61,7 @@ class Daemon:
         self.dirs = {shm}
         self.names: set[tuple[str, str]] = set()
         self.clients: dict[socket.socket, bytearray] = {}
+        self.holds: dict[socket.socket, dict[tuple[str, str], int]] = {}  # counts each client holds
         self.sel = selectors.DefaultSelector()
         self.sel.register(listener, selectors.EVENT_READ)
         self.pattern = _paths.group_pattern(self.uid, group)
@@ -78,6 +81,7 @@ class Daemon:
                 if key.fileobj is self.listener:
                     self._accept()
                 elif not self._read(key.fileobj):
+                    self._release_holds(key.fileobj)
                     self.sel.unregister(key.fileobj)
                     del self.clients[key.fileobj]
                     key.fileobj.close()
@@ -128,7 +132,37 @@ class Daemon:
                 self.dirs.add(d)
             elif op == b"U":
                 self.names.discard((d, name))
+            elif op == b"H":
+                holds = self.holds.setdefault(conn, {})
+                holds[(d, name)] = holds.get((d, name), 0) + 1
+            elif op == b"X":
+                holds = self.holds.setdefault(conn, {})
+                if holds.get((d, name), 0) > 0:
+                    holds[(d, name)] -= 1
+                    self._decref(d, name, 1, None)
         return True
+
+    def _release_holds(self, conn: socket.socket) -> None:
+        """A client died holding counts: give them back, unlinking what nobody holds any more."""
+        for (d, name), n in self.holds.pop(conn, {}).items():
+            if n > 0:
+                self._decref(d, name, n, "a process died holding it")
+
+    def _decref(self, d: str, name: str, n: int, why: str | None) -> None:
+        try:
+            seg = shm_core.attach(name, d)
+        except (OSError, ValueError):
+            return
+        try:
+            if seg.decref(n) <= 0:
+                shm_core.unlink(name, d)
+                self.names.discard((d, name))
+                if why:
+                    _log(self.group, f"{why}; removed {name} ({seg.size:,} bytes)")
+        except OSError:
+            pass
+        finally:
+            seg.close()
 
     def _finish_if_dead(self) -> bool:
         try:
