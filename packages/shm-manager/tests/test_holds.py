@@ -8,9 +8,8 @@ import sys
 import textwrap
 
 import shm_core
-from conftest import figure, kill, wait_until
-
 import shm_manager
+from conftest import figure, kill, wait_until
 
 HOLDER = """
 import sys, time, shm_core, shm_manager
