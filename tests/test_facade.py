@@ -86,7 +86,13 @@ def test_spawn_is_reexported():
 
 def test_main_module_runs():
     out = subprocess.run([sys.executable, "-m", "arraymp", "--help"], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and "doctor" in out.stdout and "demo" in out.stdout
+    assert out.returncode == 0 and "doctor" in out.stdout and "demo" in out.stdout and "bench" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "arraymp", "bench", "--help"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "--quick" in out.stdout and "torch" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "arraymp", "doctor", "--nope"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "unrecognized arguments" in out.stderr
 
 
 def test_demo_quick_runs():

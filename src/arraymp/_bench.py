@@ -1,0 +1,289 @@
+"""Producer -> consumer through a Queue: arraymp against the stdlib and torch, in one run.
+
+Systems (each a long-lived spawn consumer, so imports are paid once):
+
+- ``arraymp``   arraymp's Queue (file_descriptor strategy, the default)
+- ``stdlib``    multiprocessing's Queue with plain pickling (arraymp's reducer removed)
+- ``torch-fd``  torch.multiprocessing's Queue with tensors, file_descriptor strategy
+- ``torch-fs``  the same, file_system strategy (torch systems only when torch imports)
+
+Workloads, for 4 KiB ... 256 MiB arrays, through a Queue(maxsize=2) (a steady stream):
+
+- ``fresh``: an array that is not in shared memory, so each message moves its
+  bytes (torch: a new ``torch.from_numpy`` tensor each time, which torch copies
+  into shared memory once per message, as we do);
+- ``shared``: an array already in shared memory (torch: a tensor after
+  ``share_memory_()``), so only a handle travels;
+- ``ping-pong``: a 16-element array to the consumer and back, over Queue and Pipe.
+
+The systems alternate within each repeat; medians of the repeats are printed
+with ratios. ``python -m arraymp bench --quick`` (or benchmarks/queue_transfer.py)
+for a short run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import statistics
+import sys
+import time
+from multiprocessing.reduction import ForkingPickler
+
+import numpy as np
+
+SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20]
+
+
+def _setup(system: str):
+    """Make this process send the way ``system`` does; returns the module whose Queue/Pipe to use."""
+    if system == "arraymp":
+        import arraymp
+
+        return arraymp.get_context("spawn")
+    ForkingPickler._extra_reducers.pop(np.ndarray, None)
+    if system == "stdlib":
+        return multiprocessing.get_context("spawn")
+    import torch.multiprocessing as tmp
+
+    tmp.set_sharing_strategy("file_descriptor" if system == "torch-fd" else "file_system")
+    return tmp.get_context("spawn")
+
+
+def _consumer(system, ctl, done, data, back, conn):
+    _setup(system)
+    while True:
+        cmd = ctl.get()
+        if cmd is None:
+            return
+        kind, n = cmd
+        if kind == "stream":
+            for _ in range(n):
+                a = data.get()
+                a[0]  # touch
+                del a
+            done.put(time.perf_counter())
+        elif kind == "queue-pingpong":
+            for _ in range(n):
+                back.put(data.get())
+            done.put(None)
+        elif kind == "pipe-pingpong":
+            for _ in range(n):
+                conn.send(conn.recv())
+            done.put(None)
+
+
+class System:
+    def __init__(self, name: str):
+        self.name = name
+        if name == "arraymp":
+            import arraymp
+
+            ctx = arraymp.get_context("spawn")
+        elif name == "stdlib":
+            ctx = multiprocessing.get_context("spawn")
+        else:
+            import torch.multiprocessing as tmp
+
+            ctx = tmp.get_context("spawn")
+        self.ctx = ctx
+        self.ctl, self.done, self.data, self.back = ctx.Queue(), ctx.Queue(), ctx.Queue(maxsize=2), ctx.Queue()
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_consumer, args=(name, self.ctl, self.done, self.data, self.back, child))
+        with _as(name):
+            self.proc.start()
+
+    def payload(self, nbytes: int, shared: bool):
+        base = np.ones(nbytes // 8, np.float64)
+        if self.name.startswith("torch"):
+            import torch
+
+            if shared:
+                t = torch.from_numpy(base).clone()
+                t.share_memory_()
+                return lambda: t
+            return lambda: torch.from_numpy(base)
+        if shared:
+            import arraymp
+
+            s = arraymp.share_memory(base)
+            return lambda: s
+        return lambda: base
+
+    def stream(self, nbytes: int, n: int, shared: bool) -> float:
+        make = self.payload(nbytes, shared)
+        with _as(self.name):
+            self.ctl.put(("stream", 3))  # warm-up: fill the recycling pools
+            for _ in range(3):
+                self.data.put(make())
+            self.done.get()
+            self.ctl.put(("stream", n))
+            t0 = time.perf_counter()
+            for _ in range(n):
+                self.data.put(make())
+            t1 = self.done.get()
+        return t1 - t0
+
+    def pingpong(self, n: int, pipe: bool) -> float:
+        a = np.arange(16.0)
+        with _as(self.name):
+            if self.name.startswith("torch"):
+                import torch
+
+                a = torch.from_numpy(a)
+            self.ctl.put(("pipe-pingpong" if pipe else "queue-pingpong", n))
+            t0 = time.perf_counter()
+            for _ in range(n):
+                if pipe:
+                    self.conn.send(a)
+                    self.conn.recv()
+                else:
+                    self.data.put(a)
+                    self.back.get()
+            dt = time.perf_counter() - t0
+            self.done.get()
+        return dt / n
+
+    def close(self):
+        self.ctl.put(None)
+        self.proc.join(30)
+
+
+class _as:
+    """Pickle in this process as ``system`` does while inside the block."""
+
+    def __init__(self, system):
+        self.system = system
+
+    def __enter__(self):
+        self.saved = ForkingPickler._extra_reducers.get(np.ndarray)
+        if self.system != "arraymp":
+            ForkingPickler._extra_reducers.pop(np.ndarray, None)
+        if self.system.startswith("torch"):
+            import torch.multiprocessing as tmp
+
+            tmp.set_sharing_strategy("file_descriptor" if self.system == "torch-fd" else "file_system")
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            ForkingPickler.register(np.ndarray, self.saved)
+
+
+def _count(nbytes: int, quick: bool) -> int:
+    budget = (256 << 20) if quick else (4 << 30)  # bytes per run of a fresh stream
+    return max(4 if quick else 12, min(3000 if quick else 20000, budget // nbytes))
+
+
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+def _receive_all(q, done):
+    a = q.get()
+    done.put(float(a[:: 1 << 16].sum()))  # touch it across
+    del a
+    done.put(None)
+
+
+def memory_peak(shared: bool, nbytes: int = 1 << 30) -> float:
+    """Peak memory of the whole machine while one array goes producer -> consumer, in arrays' worth."""
+    import threading
+
+    import arraymp
+
+    ctx = arraymp.get_context("spawn")
+    q, done = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_receive_all, args=(q, done))
+    p.start()
+    time.sleep(0.5)
+    base, low, stop = _mem_available(), [_mem_available()], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            low[0] = min(low[0], _mem_available())
+            time.sleep(0.002)
+    t = threading.Thread(target=sample)
+    t.start()
+    a = arraymp.zeros_shared(nbytes // 8) if shared else np.zeros(nbytes // 8)
+    a[:] = 1.0
+    q.put(a)
+    done.get(timeout=300)
+    stop.set()
+    t.join()
+    del a
+    done.get(timeout=60)
+    p.join(60)
+    return (base - low[0]) / nbytes
+
+
+def human(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m arraymp bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=SIZES)
+    args = parser.parse_args(argv)
+    import arraymp  # noqa: F401  (registers our reducer, which _as() removes for the others)
+
+    names = ["arraymp", "stdlib"]
+    try:
+        import torch  # noqa: F401
+
+        names += ["torch-fd", "torch-fs"]
+    except ImportError:
+        print("torch is not importable: comparing against the stdlib only (pip install torch==2.13.0)")
+    systems = [System(n) for n in names]
+    results: dict[tuple, list[float]] = {}
+    try:
+        for _ in range(args.repeat):
+            for nbytes in args.sizes:
+                for shared in (False, True):
+                    for s in systems:
+                        # the stdlib pickles even a "shared" array: bound its run by bytes, as for fresh ones
+                        copies = not shared or s.name == "stdlib"
+                        n = _count(nbytes, args.quick) if copies else (1000 if args.quick else 5000)
+                        dt = s.stream(nbytes, n, shared)
+                        results.setdefault((s.name, nbytes, shared), []).append(n / dt)
+            for pipe in (False, True):
+                for s in systems:
+                    results.setdefault((s.name, "pingpong", pipe), []).append(s.pingpong(300 if args.quick else 2000,
+                                                                                        pipe))
+    finally:
+        for s in systems:
+            s.close()
+    med = {k: statistics.median(v) for k, v in results.items()}
+    cols = [n for n in names]
+    print(f"\nmessages/s (GB/s for fresh arrays), median of {args.repeat}; ratio = arraymp / other")
+    print(f"{'workload':22}" + "".join(f"{c:>18}" for c in cols) + "".join(f"{'x ' + c:>12}" for c in cols[1:]))
+    for shared in (False, True):
+        for nbytes in args.sizes:
+            row = f"{('shared ' if shared else 'fresh ') + human(nbytes):22}"
+            for c in cols:
+                rate = med[(c, nbytes, shared)]
+                row += f"{rate:10.0f}/s {rate * nbytes / 1e9:5.2f}G" if not shared else f"{rate:16.0f}/s"
+            for c in cols[1:]:
+                row += f"{med[('arraymp', nbytes, shared)] / med[(c, nbytes, shared)]:12.2f}"
+            print(row)
+    for pipe in (False, True):
+        row = f"{'ping-pong ' + ('Pipe' if pipe else 'Queue'):22}"
+        for c in cols:
+            row += f"{med[(c, 'pingpong', pipe)] * 1e6:15.0f} us"
+        for c in cols[1:]:
+            row += f"{med[('arraymp', 'pingpong', pipe)] / med[(c, 'pingpong', pipe)]:12.2f}"
+        print(row + "   (latency: ratio < 1 is faster)")
+    if not args.quick:
+        print(f"\npeak memory sending one 1 GiB array (arraymp): pre-shared {memory_peak(True):.2f}x, "
+              f"fresh {memory_peak(False):.2f}x the array")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
