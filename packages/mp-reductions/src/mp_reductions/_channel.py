@@ -28,6 +28,7 @@ import shm_core
 from ._reductions import MAX_FDS, Incoming, Outgoing, tls
 
 INLINE = 64 * 1024
+SPIN = int(os.environ.get("ARRAYMP_QUEUE_SPIN", "50"))  # see _queues Note [spin]
 SOCKBUF = 1 << 20
 
 
@@ -147,7 +148,14 @@ def _recv_exactly(sock: socket.socket, n: int, first: bytes = b"") -> bytearray:
 
 def recv_stream(sock: socket.socket) -> tuple[bytearray, list[int] | None]:
     """One framed message from a stream socket: its pickle and descriptors (None: a plain pickle)."""
-    head, fds, _ = shm_core.recv_fds(sock, _HEAD.size, MAX_FDS)
+    for _ in range(SPIN):  # see _queues Note [spin]
+        try:
+            head, fds, _ = shm_core.recv_fds(sock, _HEAD.size, MAX_FDS, socket.MSG_DONTWAIT)
+            break
+        except BlockingIOError:
+            os.sched_yield()
+    else:
+        head, fds, _ = shm_core.recv_fds(sock, _HEAD.size, MAX_FDS)
     if not head:
         for fd in fds:
             os.close(fd)

@@ -23,6 +23,7 @@ What changed from the stdlib, and why::
 from __future__ import annotations
 
 import collections
+import os
 import queue
 import select
 import socket
@@ -36,12 +37,17 @@ from multiprocessing import reduction, util
 
 import shm_core
 
-from ._channel import Packet, loads, recv_raw, socketpair
+from ._channel import SPIN, Packet, loads, recv_raw, socketpair
 from ._reductions import init_reductions
 
 _COUNT = shm_core.HEADER_SIZE  # items put and not yet got
 _UNFINISHED = _COUNT + 8  # JoinableQueue: items put and not yet task_done()
 _WAITERS = _COUNT + 16  # putters waiting for room
+
+# Note [spin]: a getter that finds the queue empty retries a few times (yielding
+# the CPU) before it sleeps in poll(): in a steady stream the next message is
+# usually microseconds away, and a sleep plus wake-up costs tens of them
+# (ARRAYMP_QUEUE_SPIN tries, 50 by default, 0 to turn it off).
 
 
 def _wait_readable(sock: socket.socket, timeout: float | None) -> bool:
@@ -237,11 +243,16 @@ class Queue:
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
         deadline = None if timeout is None or not block else time.monotonic() + timeout
+        spin = SPIN if block else 0
         while True:
             try:
                 data, fds = recv_raw(self._reader, socket.MSG_DONTWAIT)
                 break
             except BlockingIOError:
+                if spin:  # Note [spin]
+                    spin -= 1
+                    os.sched_yield()
+                    continue
                 remaining = _remaining(deadline)
                 if not block or (remaining is not None and remaining <= 0):
                     raise queue.Empty from None

@@ -3,8 +3,9 @@
 Note [recycling]: a fresh tmpfs segment costs a page fault per 4 KiB on first
 touch (copying into one runs at ~0.6 GB/s here, into a faulted one at ~9 GB/s),
 so a producer that keeps sending fresh large arrays reuses its message
-segments, and receivers keep recently used mappings, so a recycled segment
-arrives already mapped and faulted::
+segments, and receivers keep recently used mappings (of every segment they
+receive), so a recycled segment arrives already mapped and faulted, and a
+shared one sent again and again is mapped once::
 
     producer                                  receiver
     take(n): a pooled segment that is free,   rebuild: view the segment, then
@@ -94,7 +95,7 @@ def sent(seg: shm_core.Segment) -> None:
 
 
 def received(seg: shm_core.Segment) -> None:
-    """A receiver keeps the mapping of a recycled segment for its next arrival."""
+    """A receiver keeps the mapping of a segment for its next arrival (recycled or shared)."""
     st = _state
     with st.lock:
         old = st.recent.pop(seg.key, None)

@@ -26,8 +26,11 @@ from __future__ import annotations
 import os
 import threading
 from multiprocessing import context as mp_context
-from multiprocessing import reduction
+from multiprocessing import reduction, resource_sharer  # noqa: F401
 
+# resource_sharer is imported here, not lazily by DupFd: an import running in a
+# queue's feeder thread while another thread forks leaves its module lock held
+# in the child, which then deadlocks on its first import of that module.
 import numpy as np
 import shm_core
 
@@ -150,7 +153,6 @@ class Incoming:
         if i not in self.copies_viewed:
             self.copies_viewed.add(i)
             seg.fetch_add(_recycle.PENDING, -1)
-            _recycle.received(seg)
 
     def named(self, name: str, dir: str, size: int | None) -> shm_core.Segment:
         # one in-flight count per segment per message, see Outgoing.named_ref
@@ -277,6 +279,7 @@ def rebuild_ndarray(ref, size, offset, shape, strides, dtype, readonly):
     arr = seg.ndarray(shape, dtype, offset, strides, readonly=readonly)
     if ref[0] == "c":
         _current().viewed_copy(ref[1], seg)
+    _recycle.received(seg)  # keep the mapping for the next arrival, see _recycle
     return arr
 
 
