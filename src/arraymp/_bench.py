@@ -35,13 +35,18 @@ import numpy as np
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20]
 
 
+def _plain_pickling():
+    """Undo arraymp's registration in this process: the stdlib baseline pickles arrays."""
+    ForkingPickler._extra_reducers.pop(np.ndarray, None)
+
+
 def _setup(system: str):
     """Make this process send the way ``system`` does; returns the module whose Queue/Pipe to use."""
     if system == "arraymp":
         import arraymp
 
         return arraymp.get_context("spawn")
-    ForkingPickler._extra_reducers.pop(np.ndarray, None)
+    _plain_pickling()
     if system == "stdlib":
         return multiprocessing.get_context("spawn")
     import torch.multiprocessing as tmp
@@ -158,7 +163,7 @@ class _as:
     def __enter__(self):
         self.saved = ForkingPickler._extra_reducers.get(np.ndarray)
         if self.system != "arraymp":
-            ForkingPickler._extra_reducers.pop(np.ndarray, None)
+            _plain_pickling()
         if self.system.startswith("torch"):
             import torch.multiprocessing as tmp
 

@@ -4,32 +4,15 @@ throughput table at the end."""
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import sys
 import time
-from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 
 import arraymp
 
-
-def _plain_pickling():
-    """Undo arraymp's registration in this process: the stdlib baseline pickles arrays."""
-    ForkingPickler._extra_reducers.pop(np.ndarray, None)
-
-
-@contextlib.contextmanager
-def _baseline(plain):
-    saved = ForkingPickler._extra_reducers.get(np.ndarray)
-    if plain:
-        _plain_pickling()
-    try:
-        yield
-    finally:
-        if saved is not None:
-            ForkingPickler.register(np.ndarray, saved)
+from ._bench import _as, _plain_pickling
 
 
 def _consume(q, results, n, plain):
@@ -106,7 +89,7 @@ def main(quick: bool = False) -> int:
         times = {}
         for label, ctx in (("arraymp", ours), ("stdlib", stdlib)):
             sys.stderr.write(f"{name} [{label}]\n")
-            with _baseline(label == "stdlib"):
+            with _as(label):
                 times[label] = job(ctx, _Bar(steps), label == "stdlib")
             sys.stderr.write("\n")
         rows.append((name, gib / times["arraymp"], gib / times["stdlib"]))

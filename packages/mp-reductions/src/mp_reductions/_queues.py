@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 import weakref
 from multiprocessing import context as mp_context
 from multiprocessing import reduction, util
@@ -107,10 +108,7 @@ class SimpleQueue:
         self._reader.close()
         self._writer.close()
 
-    def __class_getitem__(cls, item):
-        import types
-
-        return types.GenericAlias(cls, item)
+    __class_getitem__ = classmethod(types.GenericAlias)
 
 
 class Queue:
@@ -296,10 +294,7 @@ class Queue:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} at {id(self):#x} maxsize={self._maxsize}>"
 
-    def __class_getitem__(cls, item):
-        import types
-
-        return types.GenericAlias(cls, item)
+    __class_getitem__ = classmethod(types.GenericAlias)
 
 
 class JoinableQueue(Queue):

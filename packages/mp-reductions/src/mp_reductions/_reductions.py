@@ -145,7 +145,7 @@ class Incoming:
             if not 0 <= i < len(self.fds) or self.fds[i] < 0:
                 raise shm_core.SegmentError(f"handle names descriptor {i} but the message carried {len(self.fds)}")
             fd, self.fds[i] = self.fds[i], -1
-            seg = self.segments[i] = _shared.attach_fd(fd, size, owned=True)
+            seg = self.segments[i] = _received(_shared.attach_fd(fd, size, owned=True))
         return seg
 
     def viewed_copy(self, i: int, seg: shm_core.Segment) -> None:
@@ -158,7 +158,7 @@ class Incoming:
         # one in-flight count per segment per message, see Outgoing.named_ref
         seg = self.segments.get(name)
         if seg is None:
-            seg = self.segments[name] = _shared.attach_named(name, dir, size)
+            seg = self.segments[name] = _received(_shared.attach_named(name, dir, size))
         return seg
 
     def close(self) -> None:
@@ -235,6 +235,12 @@ def _named_ref_alone(seg):
     return ("n", seg.name, seg.dir)
 
 
+def _received(seg: shm_core.Segment) -> shm_core.Segment:
+    """Keep the mapping for the segment's next arrival (once per segment per message), see _recycle."""
+    _recycle.received(seg)
+    return seg
+
+
 def _segment_for(ref, size: int) -> shm_core.Segment:
     kind = ref[0]
     if kind in ("m", "c"):
@@ -243,12 +249,12 @@ def _segment_for(ref, size: int) -> shm_core.Segment:
             raise shm_core.SegmentError("a message-descriptor handle was unpickled outside an arraymp channel")
         return ctx.segment(ref[1], size)
     if kind == "d":
-        return _shared.attach_fd(ref[1].detach(), size, owned=True)
+        return _received(_shared.attach_fd(ref[1].detach(), size, owned=True))
     if kind == "n":
         ctx = _current()
         if isinstance(ctx, Incoming):
             return ctx.named(ref[1], ref[2], size)
-        return _shared.attach_named(ref[1], ref[2], size)
+        return _received(_shared.attach_named(ref[1], ref[2], size))
     raise shm_core.SegmentError(f"unknown segment reference {ref!r}")
 
 
@@ -279,7 +285,6 @@ def rebuild_ndarray(ref, size, offset, shape, strides, dtype, readonly):
     arr = seg.ndarray(shape, dtype, offset, strides, readonly=readonly)
     if ref[0] == "c":
         _current().viewed_copy(ref[1], seg)
-    _recycle.received(seg)  # keep the mapping for the next arrival, see _recycle
     return arr
 
 
