@@ -50,6 +50,17 @@ def test_reductions_registered_once_with_forkingpickler():
     assert x[0] == 1
 
 
+def test_cupy_reducer_registered_when_cupy_is_imported_not_before():
+    # importing arraymp must not import cupy (slow) nor initialise CUDA (breaks CUDA in fork children)
+    code = ("import sys, arraymp\n"
+            "from multiprocessing.reduction import ForkingPickler as F\n"
+            "print(sys.modules.get('cupy') is not None)\n"
+            "import cupy, shm_cuda\n"
+            "print(F._extra_reducers.get(cupy.ndarray) is shm_cuda.reduce_cupy_array)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "True"], out.stderr
+
+
 def test_sharing_strategy_api():
     assert mp.get_all_sharing_strategies() == {"file_descriptor", "file_system"}
     assert mp.get_sharing_strategy() == "file_descriptor"

@@ -28,11 +28,13 @@ def chain_sink(q_in, q_out, n):
     q_out.put(total)
 
 
-def stream_reader(q_in, q_out):
+def stream_reader(q_in, q_out, n):
     import cupy
+    q_out.put("ready")
     with cupy.cuda.Stream(non_blocking=True):
-        arr = q_in.get()  # waits on the producer's event on this stream
-        q_out.put(cupy.asnumpy(arr).tolist())
+        for _ in range(n):
+            arr = q_in.get()  # waits on the producer's event on this stream
+            q_out.put(cupy.asnumpy(arr).tolist())
 
 
 def event_waiter(q_in, q_out):

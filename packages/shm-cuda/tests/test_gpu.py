@@ -40,6 +40,18 @@ def test_simple_sharing(cp):
     assert p.exitcode == 0
 
 
+def test_through_arraymp_queues(cp):
+    # mp-reductions' queues register the cupy reducer in every process that receives them
+    mpr = pytest.importorskip("mp_reductions", reason="mp-reductions is not installed beside shm-cuda")
+    q_in, q_out = mpr.Queue(), mpr.Queue()
+    p = start("echo_sum", q_in, q_out)
+    arr = cp.arange(1000, dtype=cp.float32)
+    q_in.put(arr)
+    assert q_out.get(timeout=120) == float(arr.sum())
+    p.join(60)
+    assert p.exitcode == 0
+
+
 def test_producer_deletes_after_put(cp):
     q_in, q_out = ctx.Queue(), ctx.Queue()
     p = start("echo_sum", q_in, q_out)
@@ -67,8 +79,10 @@ def test_chain_of_three_exact_sum(cp):
 
 
 def test_event_orders_producer_and_consumer_streams(cp):
-    q_in, q_out = ctx.Queue(), ctx.Queue()
-    p = start("stream_reader", q_in, q_out)
+    # a SimpleQueue pickles in put's thread, on this thread's stream (Note [pickling thread])
+    q_in, q_out = ctx.SimpleQueue(), ctx.Queue()
+    p = start("stream_reader", q_in, q_out, 1)
+    assert q_out.get(timeout=120) == "ready"
     s = cp.cuda.Stream(non_blocking=True)
     with s:
         arr = cp.zeros(1 << 24, dtype=cp.float32)
@@ -76,6 +90,28 @@ def test_event_orders_producer_and_consumer_streams(cp):
             arr += 1
         q_in.put(arr[:4])  # the event is recorded on s after the additions
     assert q_out.get(timeout=120) == [50.0] * 4
+    p.join(60)
+
+
+def test_events_per_stream(cp):
+    # one block sent from two streams: the first message's consumer must wait for
+    # the first stream, though the second stream recorded after it
+    q_in, q_out = ctx.SimpleQueue(), ctx.Queue()
+    p = start("stream_reader", q_in, q_out, 2)
+    assert q_out.get(timeout=120) == "ready"
+    arr = cp.zeros(8, dtype=cp.float32)
+    big = cp.zeros(1 << 26, dtype=cp.float32)
+    cp.cuda.Device().synchronize()  # the side streams do not wait for the default one
+    s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    with s1:
+        for _ in range(1000):  # ~0.1 s of work queued on s1
+            big += 1
+        arr[:4] = big[:4]
+        q_in.put(arr[:4])
+    with s2:
+        q_in.put(arr[4:])
+    assert q_out.get(timeout=120) == [1000.0] * 4
+    assert q_out.get(timeout=120) == [0.0] * 4
     p.join(60)
 
 
@@ -182,7 +218,7 @@ def test_unsupported_allocators_fail_fast(cp, alloc):
 def test_default_pool_and_plain_malloc_work(cp):
     q_in, q_out = ctx.Queue(), ctx.Queue()
     p = start("bytes_back", q_in, q_out, 1)
-    with cp.cuda.using_allocator(cp.cuda.malloc):  # a bare cudaMalloc per array
+    with cp.cuda.using_allocator(None):  # no pool: a bare cudaMalloc per array
         arr = cp.arange(100, dtype=cp.int16)
     q_in.put(arr)
     assert q_out.get(timeout=120) == cp.asnumpy(arr).tobytes()

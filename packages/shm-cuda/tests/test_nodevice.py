@@ -11,8 +11,13 @@ import shm_cuda
 CODE = r"""
 import shm_cuda, sys
 registered = []
-ok = shm_cuda.init_reductions(lambda cls, fn: registered.append(cls))
-print(ok, registered, shm_cuda.device_available())
+ok = shm_cuda.init_reductions(lambda cls, fn: registered.append(cls.__name__))
+print(ok, registered, sys.modules.get("cupy") is not None)
+try:
+    import cupy
+except ImportError:
+    pass
+print(registered, shm_cuda.device_available())
 try:
     shm_cuda.reduce_cupy_array(object())
 except shm_cuda.NoDeviceError as exc:
@@ -30,20 +35,31 @@ def _has_device():
 pytestmark = pytest.mark.skipif(_has_device(), reason="a CUDA device is present: these check the no-device paths")
 
 
-def test_init_reductions_registers_nothing_without_device():
-    out = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=120)
-    lines = out.stdout.splitlines()
-    assert lines[0] == "False [] False", out.stderr
-    assert lines[1].startswith("NoDeviceError:") and ("CUDA_VISIBLE_DEVICES" in lines[1] or "cupy" in lines[1])
+def run(code):
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()
+
+
+def test_registers_when_cupy_is_imported_and_errors_without_device():
+    # init_reductions neither imports cupy nor touches CUDA; importing cupy registers
+    lines = run(CODE)
+    assert lines[0] == "False [] False"
+    assert lines[1] == "['ndarray'] False"
+    assert lines[2].startswith("NoDeviceError:") and "CUDA_VISIBLE_DEVICES" in lines[2]
+
+
+def test_registers_at_once_when_cupy_is_imported_already():
+    lines = run("import cupy\n" + CODE)
+    assert lines[0] == "True ['ndarray'] True"
 
 
 def test_without_cupy():
     # cupy hidden: import shm_cuda still works, CUDA work says what to install
-    code = "import sys; sys.modules['cupy'] = None\n" + CODE
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    lines = out.stdout.splitlines()
-    assert lines[0] == "False [] False", out.stderr
-    assert "pip install cupy-cuda12x" in lines[1]
+    lines = run("import sys; sys.modules['cupy'] = None\n" + CODE)
+    assert lines[0] == "False [] False"
+    assert lines[1] == "[] False"
+    assert "pip install cupy-cuda12x" in lines[2]
 
 
 def test_import_is_lazy():
@@ -87,3 +103,12 @@ def test_fork_after_init_guard():
         _fork._initialised = saved
     assert "forked after CUDA had been initialised" in msg and "'spawn' or 'forkserver'" in msg
     shm_cuda.check_fork()
+
+
+def test_driver_calls_name_the_missing_driver():
+    from shm_cuda import _cuda
+
+    if _cuda._driver() is not None:
+        pytest.skip("libcuda.so.1 loads here")
+    with pytest.raises(shm_cuda.NoDeviceError, match="libcuda.so.1"):
+        _cuda.block_range(None, 0, 0x1000)

@@ -6,7 +6,7 @@ shm_cuda`` works without cupy or a device.
 Export (``reduce_cupy_array``): the IPC handle of the whole cudaMalloc block
 holding the array, the array's offset from the block's base (cuMemGetAddressRange),
 shape, strides, dtype, the device UUID, an interprocess event recorded on the
-current stream after the producer's work, and a counter slot of this
+current stream after the producer's work (see Note [pickling thread]), and a counter slot of this
 process's Registry that keeps the block's memory alive until every consumer
 released it (see _registry). A block keeps one slot while it is held; its
 chunk memories (cupy pool pieces) are kept with the slot.
@@ -16,6 +16,14 @@ process (ImportCache); every received array owns the mapping through an
 ``UnownedMemory``; the last one closes it and drops this process's hold.
 Sending a received array on counts a forward in the original producer's
 registry and re-exports the producer's handle: no clone, no new allocation.
+
+Note [pickling thread]: the event records the current stream of the thread
+that pickles. arraymp's queues, Pipe and the stdlib's SimpleQueue and
+Connection pickle in the caller of ``put``/``send``, so the caller's stream
+is ordered before the consumer's. The stdlib's ``Queue`` pickles later, in
+its feeder thread, whose stream is the legacy default stream: that covers
+work on blocking streams, not on ``Stream(non_blocking=True)`` ones, whose
+work must be synchronized before such a ``put``.
 """
 
 from __future__ import annotations
@@ -32,9 +40,8 @@ from ._cache import ImportCache
 from ._errors import HandleError, NoDeviceError, UnsupportedAllocatorError
 from ._fork import check_fork, mark_initialised
 from ._handle import CudaArrayHandle
+from ._lazy import when_imported
 
-_MANAGED = 3  # cudaMemoryTypeManaged
-_DEVICE = 2  # cudaMemoryTypeDevice
 _KEEP_ORIGINALS = 64  # per slot: arrays a same-process get can return as themselves
 _COLLECT_EVERY = 0.25  # seconds between the collector's passes while slots are busy
 _lock = threading.RLock()
@@ -74,14 +81,52 @@ def device_available() -> bool:
 
 
 # -- devices -------------------------------------------------------------------
+# The driver API through ctypes, for what cupy does not wrap: the allocation
+# holding a pointer, and the device UUID (cupy's getDeviceProperties()["uuid"]
+# is a C string conversion that stops at the first zero byte, so about one
+# device in sixteen would get a short UUID).
+@functools.lru_cache(maxsize=1)
+def _driver():
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    u64, size_t, i32 = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int
+    for name, args in (("cuMemGetAddressRange_v2", [ctypes.POINTER(u64), ctypes.POINTER(size_t), u64]),
+                       ("cuDeviceGet", [ctypes.POINTER(i32), i32]),
+                       ("cuDeviceGetUuid_v2", [ctypes.c_char_p, i32])):
+        fn = getattr(lib, name, None)
+        if fn is None:
+            return None
+        fn.argtypes, fn.restype = args, ctypes.c_int
+    return lib
+
+
+def _call(cp, dev: int, name: str, *args) -> None:
+    """Call a driver function with device ``dev``'s primary context current on this thread."""
+    lib = _driver()
+    if lib is None:
+        raise NoDeviceError("libcuda.so.1 (the NVIDIA driver library, CUDA >= 11.4) cannot be loaded; install or "
+                            "update the NVIDIA driver")
+    cp.cuda.runtime.setDevice(dev)  # makes the primary context current (CUDA >= 12), e.g. in a feeder thread
+    rc = getattr(lib, name)(*args)
+    if rc != 0:
+        raise _DriverError(name, rc)
+
+
+class _DriverError(Exception):
+    def __init__(self, name: str, rc: int):
+        super().__init__(f"{name} failed with CUresult {rc}")
+
+
 @functools.cache
 def device_uuid(index: int) -> bytes:
-    props = _cupy().cuda.runtime.getDeviceProperties(index)
-    uuid = props.get("uuid")
-    if not isinstance(uuid, bytes) or len(uuid) != 16:
-        raise NoDeviceError(f"cupy reports no 16-byte UUID for device {index} (got {uuid!r}); use cupy >= 13 "
-                            "built for CUDA >= 11")
-    return uuid
+    cp = _cupy()
+    dev, uuid = ctypes.c_int(), ctypes.create_string_buffer(16)
+    with cp.cuda.Device(index):
+        _call(cp, index, "cuDeviceGet", ctypes.byref(dev), index)
+        _call(cp, index, "cuDeviceGetUuid_v2", uuid, dev.value)
+    return uuid.raw
 
 
 def device_index(uuid: bytes) -> int:
@@ -94,40 +139,43 @@ def device_index(uuid: bytes) -> int:
                       "make it visible to the consumer")
 
 
-@functools.lru_cache(maxsize=1)
-def _libcuda():
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        fn = lib.cuMemGetAddressRange_v2
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def block_range(ptr: int) -> tuple[int, int]:
-    """(base, size) of the device allocation holding ``ptr`` (cuMemGetAddressRange)."""
-    fn = _libcuda()
-    if fn is None:
-        raise NoDeviceError("libcuda.so.1 (the NVIDIA driver library) cannot be loaded; install the NVIDIA driver")
+def block_range(cp, dev: int, ptr: int) -> tuple[int, int]:
+    """(base, size) of the device allocation holding ``ptr`` (cuMemGetAddressRange); call inside Device(dev)."""
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    rc = fn(ctypes.byref(base), ctypes.byref(size), ptr)
-    if rc != 0:
-        raise UnsupportedAllocatorError(f"cuMemGetAddressRange failed with CUresult {rc} for pointer {ptr:#x}; "
-                                        "the array's memory is not a device allocation CUDA IPC can export")
+    try:
+        _call(cp, dev, "cuMemGetAddressRange_v2", ctypes.byref(base), ctypes.byref(size), ptr)
+    except _DriverError as exc:
+        raise UnsupportedAllocatorError(f"{exc} for pointer {ptr:#x}; the array's memory is not a device "
+                                        "allocation CUDA IPC can export") from None
     return base.value, size.value
+
+
+def _record(cp, events: dict) -> bytes:
+    """Record this thread's current stream in an interprocess event; its IPC handle.
+
+    One event per (stream, thread) and not one per block: a consumer waits on
+    an event's latest record, which covers the earlier records of the same
+    stream but not those of another stream.
+    """
+    stream = cp.cuda.get_current_stream()
+    key = (stream.ptr, threading.get_ident())
+    got = events.get(key)
+    if got is None:
+        ev = cp.cuda.Event(block=False, disable_timing=True, interprocess=True)
+        got = events[key] = (ev, cp.cuda.runtime.ipcGetEventHandle(ev.ptr))
+    got[0].record(stream)
+    return got[1]
 
 
 # -- producer side ---------------------------------------------------------------
 class _Slot:
-    __slots__ = ("slot", "key", "mems", "event", "event_handle", "originals", "ipc_handle", "base", "size")
+    __slots__ = ("slot", "key", "mems", "events", "originals", "ipc_handle", "base", "size")
 
     def __init__(self, slot, key, ipc_handle, base, size):
         self.slot, self.key = slot, key
         self.ipc_handle, self.base, self.size = ipc_handle, base, size
         self.mems: dict = {}
-        self.event = self.event_handle = None
+        self.events: dict = {}  # (stream, thread) -> (interprocess event, its IPC handle): see _record
         self.originals: OrderedDict = OrderedDict()
 
 
@@ -168,7 +216,7 @@ class _Producer:
         ptr = arr.data.ptr
         _check_allocator(cp, mem, ptr)
         with cp.cuda.Device(dev):
-            base, size = block_range(ptr)
+            base, size = block_range(cp, dev, ptr)
             with self.registry.lock:
                 key = (dev, base)
                 st = self.slots.get(self.by_block.get(key, -1))
@@ -186,16 +234,13 @@ class _Producer:
                     st = self.slots[s] = _Slot(s, key, ipc, base, size)
                     self.by_block[key] = s
                 st.mems[id(mem)] = mem
-                if st.event is None:
-                    st.event = cp.cuda.Event(block=False, disable_timing=True, interprocess=True)
-                    st.event_handle = cp.cuda.runtime.ipcGetEventHandle(st.event.ptr)
-                st.event.record(cp.cuda.get_current_stream())
+                event_handle = _record(cp, st.events)
                 token = next(self.tokens)
                 st.originals[token] = arr
                 while len(st.originals) > _KEEP_ORIGINALS:
                     st.originals.popitem(last=False)
             return CudaArrayHandle(st.ipc_handle, size, ptr - base, tuple(arr.shape), tuple(arr.strides),
-                                   arr.dtype.str, device_uuid(dev), st.event_handle, os.getpid(),
+                                   arr.dtype.str, device_uuid(dev), event_handle, os.getpid(),
                                    self.registry.ref, st.slot, gen, token)
 
     def same_process(self, cp, h: CudaArrayHandle, dtype):
@@ -220,15 +265,16 @@ def _check_allocator(cp, mem, ptr: int) -> None:
             "arrays from cupy.cuda.MemoryAsyncPool (cudaMallocAsync) cannot be shared: their memory needs "
             "cudaMemPoolExportPointer, which shm_cuda does not support yet; allocate arrays to share from cupy's "
             "default MemoryPool (cupy.cuda.set_allocator(cupy.cuda.MemoryPool().malloc))")
+    rt = cp.cuda.runtime
     if isinstance(mem, cp.cuda.memory.ManagedMemory):
-        kind = _MANAGED
+        kind = rt.memoryTypeManaged
     else:
-        kind = getattr(cp.cuda.runtime.pointerGetAttributes(ptr), "type", _DEVICE)
-    if kind == _MANAGED:
+        kind = rt.pointerGetAttributes(ptr).type
+    if kind == rt.memoryTypeManaged:
         raise UnsupportedAllocatorError(
             "managed (unified) memory (cupy.cuda.malloc_managed) cannot be exported with cudaIpcGetMemHandle; "
             "copy the array into memory from cupy's default MemoryPool before sending it")
-    if kind != _DEVICE:
+    if kind != rt.memoryTypeDevice:
         raise UnsupportedAllocatorError(
             f"memory of CUDA type {kind} from {type(mem).__name__} is not device memory and cannot travel by CUDA "
             "IPC; use cupy's default MemoryPool")
@@ -292,12 +338,11 @@ def rebuild_cupy_array(h: CudaArrayHandle):
     mapping, opened = _cache_for(cp, dev).get(h.key, h.block_size)
     if opened:
         mapping.info["handle"] = h
-        mapping.info["events"] = {}
+        mapping.info["events"] = {}  # opened: IPC handle -> event
+        mapping.info["sent"] = {}  # forwarded: see _record
         _by_ptr[mapping.ptr] = weakref.ref(mapping)
-        fn = _libcuda()
-        if fn is not None:
-            with cp.cuda.Device(dev):
-                base, size = block_range(mapping.ptr)
+        with cp.cuda.Device(dev):
+            base, size = block_range(cp, dev, mapping.ptr)
             if size < h.block_size:
                 raise HandleError(f"the handle says its allocation holds {h.block_size} bytes, CUDA says {size}; "
                                   "the handle is corrupted")
@@ -314,7 +359,8 @@ def rebuild_cupy_array(h: CudaArrayHandle):
             if ev is None:
                 try:
                     ev = events[h.event_handle] = cp.cuda.runtime.ipcOpenEventHandle(h.event_handle)
-                    mapping.on_close.append(functools.partial(_destroy_event, cp, ev))
+                    # before the releases: the exporter may destroy its event once released
+                    mapping.on_close.insert(0, functools.partial(_destroy_event, cp, ev))
                 except cp.cuda.runtime.CUDARuntimeError:
                     ev = None  # its exporter (a forwarder) exited: its work is finished or lost
             if ev is not None:
@@ -351,13 +397,9 @@ def export_handle(arr) -> CudaArrayHandle | tuple:
         _, slot, gen = next(iter(m.holds))
         _registry.consumer_for(h0.registry).forward(slot, gen)
         with cp.cuda.Device(dev):
-            ev = m.info.get("event")
-            if ev is None:
-                ev = m.info["event"] = cp.cuda.Event(block=False, disable_timing=True, interprocess=True)
-                m.info["event_handle"] = cp.cuda.runtime.ipcGetEventHandle(ev.ptr)
-            ev.record(cp.cuda.get_current_stream())
+            event_handle = _record(cp, m.info["sent"])
         return CudaArrayHandle(h0.ipc_handle, h0.block_size, arr.data.ptr - m.ptr, tuple(arr.shape),
-                               tuple(arr.strides), arr.dtype.str, h0.device_uuid, m.info["event_handle"],
+                               tuple(arr.strides), arr.dtype.str, h0.device_uuid, event_handle,
                                h0.producer_pid, h0.registry, slot, gen, 0)
     return _the_producer().export(cp, arr, dev)
 
@@ -384,18 +426,23 @@ def busy_slots() -> int:
     return 0 if p is None or p.registry.pid != os.getpid() else p.registry.busy()
 
 
+_registers: list = []  # the register functions init_reductions was given
+
+
+def _register_all(cupy) -> None:
+    for register in _registers:
+        register(cupy.ndarray, reduce_cupy_array)
+
+
 def init_reductions(register) -> bool:
     """Register ``reduce_cupy_array`` for cupy.ndarray with ``register(cls, reducer)``.
 
-    Registers only when cupy imports and sees a device (which initialises
-    CUDA in this process); returns whether it registered. mp-reductions calls
+    Registers now when cupy is imported, else when the program imports it
+    (see _lazy): never imports cupy nor touches CUDA itself, so importing
+    arraymp costs no cupy import and a later fork can still use CUDA. Returns
+    whether it registered now. mp-reductions calls
     ``shm_cuda.init_reductions(multiprocessing.reduction.ForkingPickler.register)``.
     """
-    try:
-        check_fork()
-    except Exception:
-        return False
-    if not device_available():
-        return False
-    register(_cupy_mod.ndarray, reduce_cupy_array)
-    return True
+    if register not in _registers:
+        _registers.append(register)
+    return when_imported("cupy", _register_all)

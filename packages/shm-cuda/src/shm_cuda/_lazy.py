@@ -1,0 +1,72 @@
+"""Run a function when a module's import completes, without importing it.
+
+``init_reductions`` must not import cupy: that costs ~0.1 s in every process
+that imports arraymp, and asking cupy for devices initialises the CUDA driver,
+after which a forked child can no longer use CUDA at all. So the cupy reducer
+is registered when the program itself imports cupy: a finder at the front of
+``sys.meta_path`` finds cupy's spec through the other finders and wraps its
+loader, which runs the callbacks after cupy's module has executed.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+import threading
+from collections.abc import Callable
+
+_lock = threading.Lock()
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, loader, callbacks):
+        self.loader, self.callbacks = loader, callbacks
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        module.__loader__ = module.__spec__.loader = self.loader  # the module sees its own loader
+        self.loader.exec_module(module)
+        for fn in self.callbacks:
+            fn(module)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def __init__(self):
+        self.pending: dict[str, list[Callable]] = {}
+
+    def find_spec(self, fullname, path=None, target=None):
+        with _lock:
+            callbacks = self.pending.pop(fullname, None)
+        if callbacks is None:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = None if finder is self or find is None else find(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None:
+            spec.loader = _Loader(spec.loader, callbacks)
+        return spec
+
+
+_finder = _Finder()
+
+
+def when_imported(name: str, fn: Callable) -> bool:
+    """Call ``fn(module)`` once the top-level module ``name`` is imported: now if it already is
+    (then returns True). Pending callbacks are kept once each."""
+    module = sys.modules.get(name)
+    if module is not None and getattr(module.__spec__, "_initializing", False) is False:
+        fn(module)
+        return True
+    with _lock:
+        callbacks = _finder.pending.setdefault(name, [])
+        if fn not in callbacks:
+            callbacks.append(fn)
+        if _finder not in sys.meta_path:
+            sys.meta_path.insert(0, _finder)
+    return False
