@@ -112,3 +112,8 @@ def test_driver_calls_name_the_missing_driver():
         pytest.skip("libcuda.so.1 loads here")
     with pytest.raises(shm_cuda.NoDeviceError, match="libcuda.so.1"):
         _cuda.block_range(None, 0, 0x1000)
+
+
+def test_a_probe_for_cupy_does_not_use_up_the_registration():
+    lines = run("import importlib.util\nassert importlib.util.find_spec('cupy')\n" + CODE)
+    assert lines[:2] == ["False [] False", "['ndarray'] False"]

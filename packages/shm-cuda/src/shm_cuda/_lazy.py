@@ -19,8 +19,8 @@ _lock = threading.Lock()
 
 
 class _Loader(importlib.abc.Loader):
-    def __init__(self, loader, callbacks):
-        self.loader, self.callbacks = loader, callbacks
+    def __init__(self, loader, name):
+        self.loader, self.name = loader, name
 
     def create_module(self, spec):
         return self.loader.create_module(spec)
@@ -28,7 +28,11 @@ class _Loader(importlib.abc.Loader):
     def exec_module(self, module) -> None:
         module.__loader__ = module.__spec__.loader = self.loader  # the module sees its own loader
         self.loader.exec_module(module)
-        for fn in self.callbacks:
+        with _lock:  # taken only now: a find_spec() alone (a probe for cupy) must not use them up
+            callbacks = _finder.pending.pop(self.name, [])
+            if not _finder.pending and _finder in sys.meta_path:
+                sys.meta_path.remove(_finder)
+        for fn in callbacks:
             fn(module)
 
 
@@ -37,9 +41,7 @@ class _Finder(importlib.abc.MetaPathFinder):
         self.pending: dict[str, list[Callable]] = {}
 
     def find_spec(self, fullname, path=None, target=None):
-        with _lock:
-            callbacks = self.pending.pop(fullname, None)
-        if callbacks is None:
+        if fullname not in self.pending:
             return None
         for finder in sys.meta_path:
             find = getattr(finder, "find_spec", None)
@@ -49,7 +51,7 @@ class _Finder(importlib.abc.MetaPathFinder):
         else:
             return None
         if spec.loader is not None:
-            spec.loader = _Loader(spec.loader, callbacks)
+            spec.loader = _Loader(spec.loader, fullname)
         return spec
 
 
