@@ -111,7 +111,7 @@ def test_driver_calls_name_the_missing_driver():
     if _cuda._driver() is not None:
         pytest.skip("libcuda.so.1 loads here")
     with pytest.raises(shm_cuda.NoDeviceError, match="libcuda.so.1"):
-        _cuda.block_range(None, 0, 0x1000)
+        _cuda._call("cuMemGetAddressRange_v2")
 
 
 def test_a_probe_for_cupy_does_not_use_up_the_registration():

@@ -102,13 +102,11 @@ def _driver():
     return lib
 
 
-def _call(cp, dev: int, name: str, *args) -> None:
-    """Call a driver function with device ``dev``'s primary context current on this thread."""
+def _call(name: str, *args) -> None:
     lib = _driver()
     if lib is None:
         raise NoDeviceError("libcuda.so.1 (the NVIDIA driver library, CUDA >= 11.4) cannot be loaded; install or "
                             "update the NVIDIA driver")
-    cp.cuda.runtime.setDevice(dev)  # makes the primary context current (CUDA >= 12), e.g. in a feeder thread
     rc = getattr(lib, name)(*args)
     if rc != 0:
         raise _DriverError(name, rc)
@@ -121,11 +119,12 @@ class _DriverError(Exception):
 
 @functools.cache
 def device_uuid(index: int) -> bytes:
-    cp = _cupy()
+    """The UUID of device ``index``: needs the driver initialised (``_cupy()``), no context, so looking
+    through the devices does not create a context (hundreds of MiB) on each."""
+    _cupy()
     dev, uuid = ctypes.c_int(), ctypes.create_string_buffer(16)
-    with cp.cuda.Device(index):
-        _call(cp, index, "cuDeviceGet", ctypes.byref(dev), index)
-        _call(cp, index, "cuDeviceGetUuid_v2", uuid, dev.value)
+    _call("cuDeviceGet", ctypes.byref(dev), index)
+    _call("cuDeviceGetUuid_v2", uuid, dev.value)
     return uuid.raw
 
 
@@ -142,8 +141,9 @@ def device_index(uuid: bytes) -> int:
 def block_range(cp, dev: int, ptr: int) -> tuple[int, int]:
     """(base, size) of the device allocation holding ``ptr`` (cuMemGetAddressRange); call inside Device(dev)."""
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    cp.cuda.runtime.setDevice(dev)  # makes the primary context current (CUDA >= 12), e.g. in a feeder thread
     try:
-        _call(cp, dev, "cuMemGetAddressRange_v2", ctypes.byref(base), ctypes.byref(size), ptr)
+        _call("cuMemGetAddressRange_v2", ctypes.byref(base), ctypes.byref(size), ptr)
     except _DriverError as exc:
         raise UnsupportedAllocatorError(f"{exc} for pointer {ptr:#x}; the array's memory is not a device "
                                         "allocation CUDA IPC can export") from None
