@@ -30,7 +30,7 @@ timeout 330 "$PY" -m pytest -p no:cacheprovider -q -ra --junitxml="$OUT/tests.xm
 tests_rc=$?
 
 echo "== transfer benchmark"
-timeout 100 "$PY" benchmarks/gpu/transfer.py --json "$OUT/transfer.json"
+timeout 150 "$PY" benchmarks/gpu/transfer.py --json "$OUT/transfer.json"
 bench_rc=$?
 
 echo "tests rc=$tests_rc bench rc=$bench_rc; results in $OUT"
