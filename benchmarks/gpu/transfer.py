@@ -48,7 +48,9 @@ def main():
     args = ap.parse_args()
     import cupy as cp
     import shm_cuda
-    assert shm_cuda.init_reductions(ForkingPickler.register), "no CUDA device"
+    if not shm_cuda.device_available():
+        raise SystemExit("no CUDA device is visible: run this on a GPU machine")
+    shm_cuda.init_reductions(ForkingPickler.register)
     ctx = mp.get_context("spawn")
     rows = []
     for size in SIZES:
