@@ -147,6 +147,58 @@ class PoolSuite:
             _, dt = timed(pool.join)
             assert dt < 1
 
+    def test_sigkill_while_unpickling_the_arguments_fails_the_task(self, ctx, tmp_path):
+        path = tmp_path / "pid"  # the argument's rebuild writes the worker's pid there, then sleeps
+        with mpr.Pool(1, context=ctx) as pool:
+            r = pool.apply_async(T.identity, (T.SlowToUnpickle(str(path), 10),))
+            deadline = time.monotonic() + TIMEOUT
+            while not path.exists():
+                assert time.monotonic() < deadline, "the task's arguments were never unpickled"
+                time.sleep(0.005)
+            pid = int(path.read_text())
+            os.kill(pid, signal.SIGKILL)
+            with pytest.raises(mpr.WorkerLostError) as info:
+                r.get(TIMEOUT)
+            err = info.value
+            assert err.pid == pid and err.signal_name == "SIGKILL" and err.kind == "apply" and err.index == 0
+            assert pool.apply(T.square, (3,)) == 9
+            assert pid not in {p.pid for p in pool._pool}
+
+    def test_an_argument_that_fails_to_unpickle_is_the_tasks_error(self, ctx):
+        with mpr.Pool(1, context=ctx) as pool:
+            pids = [p.pid for p in pool._pool]
+            r = pool.apply_async(T.identity, (T.FailsToUnpickle("cannot rebuild 7"),))
+            with pytest.raises(ValueError, match="^cannot rebuild 7$") as info:
+                r.get(TIMEOUT)
+            assert "_rebuild_raising" in str(info.value.__cause__)  # the worker's traceback, as for a task's error
+            with pytest.raises(ValueError, match="^cannot rebuild 2$"):
+                pool.map(T.identity, [1, T.FailsToUnpickle("cannot rebuild 2"), 3], chunksize=1)
+            assert pool.map(T.square, range(10)) == [x * x for x in range(10)]
+            assert [p.pid for p in pool._pool] == pids  # the worker went on
+
+    def test_terminate_gives_back_the_queued_tasks_segments(self, ctx):
+        old = mpr.get_sharing_strategy()
+        mpr.set_sharing_strategy("file_system")
+        try:
+            with mpr.Pool(1, context=ctx) as pool:
+                pids = {os.getpid(), *(p.pid for p in pool._pool)}
+                blocked = pool.apply_async(time.sleep, (60,))  # the worker takes it first; the others stay queued
+                arrays = [np.full(50_000, i, np.float64) for i in range(10)]  # 400 KB: one named segment each
+                queued = pool.map_async(T.double, arrays, chunksize=1)
+                deadline = time.monotonic() + TIMEOUT
+                while len(shm_names(pids)) < len(arrays):
+                    assert time.monotonic() < deadline, "the tasks were never put"
+                    time.sleep(0.005)
+                time.sleep(0.05)  # the last one made is in the inqueue too
+                pool.terminate()  # drains the inqueue: the tasks' in-flight counts must be given back
+            assert not blocked.ready() and not queued.ready()
+            deadline = time.monotonic() + 5
+            while shm_names(pids) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert not shm_names(pids)
+        finally:
+            mpr.set_sharing_strategy(old)
+
     @pytest.mark.parametrize("strategy_name", ["file_descriptor", "file_system"])
     def test_many_results_one_segment_per_message_none_after(self, ctx, strategy_name):
         n = 500

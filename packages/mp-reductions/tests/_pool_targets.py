@@ -68,3 +68,39 @@ def share_results(strategy):
 
 def square_or_block_pair(args):
     return square_or_block(*args)
+
+
+def identity(x):
+    return x
+
+
+def _rebuild_slowly(path, seconds):
+    with open(path + ".tmp", "w") as f:  # the worker's pid, for the test to kill it while this unpickles
+        f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)
+    time.sleep(seconds)
+    return SlowToUnpickle(path, seconds)
+
+
+class SlowToUnpickle:
+    """An argument whose unpickling in the worker writes the worker's pid to ``path``, then sleeps."""
+
+    def __init__(self, path, seconds):
+        self.path, self.seconds = path, seconds
+
+    def __reduce__(self):
+        return _rebuild_slowly, (self.path, self.seconds)
+
+
+def _rebuild_raising(message):
+    raise ValueError(message)
+
+
+class FailsToUnpickle:
+    """An argument whose unpickling raises ``ValueError(message)`` (pickling it works)."""
+
+    def __init__(self, message):
+        self.message = message
+
+    def __reduce__(self):
+        return _rebuild_raising, (self.message,)

@@ -11,6 +11,9 @@ Wire format of one message::
     b"S" + 8-byte length               the pickle is in a memfd, the last descriptor
 
 with the descriptors of the arrays' segments as SCM_RIGHTS in the same sendmsg.
+A message may start with a ``head``, a small pickle of its own the receiver can
+read before the rest (the Pool's task header); ``loads`` of such a message
+returns the head alone.
 """
 
 from __future__ import annotations
@@ -55,8 +58,9 @@ class _Pickler(pickle.Pickler):
             cls._key, cls.dispatch_table = key, {**copyreg.dispatch_table, **extra}
 
 
-def _pickle(obj, out: Outgoing) -> tuple[Outgoing, memoryview]:
+def _pickle(obj, out: Outgoing, head: bytes = b"") -> tuple[Outgoing, memoryview]:
     buf = io.BytesIO()
+    buf.write(head)
     saved, tls.ctx = tls.ctx, out
     try:
         _Pickler.refresh()
@@ -71,18 +75,21 @@ def _pickle(obj, out: Outgoing) -> tuple[Outgoing, memoryview]:
 
 
 class Packet:
-    """One pickled message ready to send: its buffers, descriptors and keep-alives."""
+    """One pickled message ready to send: its buffers, descriptors and keep-alives.
+
+    ``head``: the bytes of a pickle made already, sent before ``obj``'s (not with ``raw``).
+    """
 
     __slots__ = ("buffers", "fds", "keep", "out")
 
-    def __init__(self, obj=None, *, raw: bytes | None = None):
+    def __init__(self, obj=None, *, raw: bytes | None = None, head: bytes = b""):
         if raw is None:
-            out, payload = _pickle(obj, Outgoing())
+            out, payload = _pickle(obj, Outgoing(), head)
             if len(payload) > INLINE and out.inlined:
                 # Too big for one socket message: rather than spill the whole
                 # pickle, send its small arrays by shared memory too.
                 out.abort()
-                out, payload = _pickle(obj, Outgoing(share_all=True))
+                out, payload = _pickle(obj, Outgoing(share_all=True), head)
         else:
             out, payload = Outgoing(), raw
         self.out = out

@@ -11,7 +11,8 @@ What changed from the stdlib, and why::
 
 - Both queues are our seqpacket ``SimpleQueue``, whatever the context: task
   arguments and results carry their arrays by shared memory (DESIGN.md).
-- Each worker says which task it starts before running it; the result handler
+- Each worker says which task it starts before running it, even before it
+  unpickles the task's arguments (Note [lost tasks]); the result handler
   remembers, per worker pid, the task it runs. When the worker handler sees a
   worker exit it reports the exit on the outqueue, after everything the worker
   sent, so the result handler fails exactly the task the worker had not
@@ -33,18 +34,30 @@ worker argument), whatever the start method. A worker in a group of its own
 leave its named segments to a daemon that unlinks them when the worker exits,
 while the parent still holds the results.
 
-Note [lost tasks]: a worker killed after it took a task from the inqueue but
-before its "started" message went out (while unpickling the task's
-arguments) loses that task without a trace; the window is the unpickling of
-one task.
+Note [lost tasks]: each inqueue message is two pickles back to back in one
+seqpacket message: a head ``(job, i)`` (``None`` for the stop sentinel), then
+the task ``(job, i, func, args, kwds)``. The worker loads the head alone, sends
+"started", then loads the task. Unpickling the arguments can take long and
+allocate much (the out-of-memory killer picks that moment), and it can raise;
+in the stdlib's Pool both lose the task and its caller waits forever. Here a
+worker killed there fails the task with ``WorkerLostError``, and an error
+there is the task's error result, the worker going on. The window left: a
+worker killed between its recvmsg and the "started" send, where it unpickles
+only the tiny head and no user data, loses that task without a trace.
+``terminate`` drains what is queued and unpickles each task it drains, so
+that the shared memory the task names is given back (``_help_stuff_finish``).
 """
 
 from __future__ import annotations
 
+import functools
 import gc
+import io
 import os
+import pickle
 import queue
 import signal
+import socket
 import threading
 import time
 from multiprocessing import get_context, util
@@ -52,6 +65,7 @@ from multiprocessing import pool as mp_pool
 
 import shm_manager
 
+from ._channel import Packet, loads, recv_raw
 from ._queues import SimpleQueue
 from ._reductions import init_reductions
 
@@ -99,11 +113,35 @@ def _kind(result) -> str:
     return "apply"
 
 
+def _put_task(writer, task) -> None:
+    """Send ``task`` (or the stop sentinel None) on the inqueue, its head first (Note [lost tasks])."""
+    writer._check(writable=True)
+    Packet(task, head=pickle.dumps(None if task is None else task[:2])).send(writer._sock)
+
+
+def _split_task(data, fds):
+    """An inqueue message as (head, the task's pickle, its descriptors): only the head is unpickled."""
+    f = io.BytesIO(data)
+    try:
+        head = pickle.Unpickler(f).load()
+    except BaseException:
+        for fd in fds or ():
+            os.close(fd)
+        raise
+    return head, memoryview(data)[f.tell():], fds
+
+
+def _recv_task(reader):
+    """The next inqueue message, as _split_task's."""
+    reader._check(readable=True)
+    return _split_task(*reader._recv())
+
+
 def _next_task(inqueue, dirty: bool):
-    """The next task; collect garbage first when no task comes within _IDLE_WAIT."""
+    """The next task as _recv_task's; collect garbage first when no task comes within _IDLE_WAIT."""
     if dirty and not inqueue._reader.poll(_IDLE_WAIT):
         gc.collect()
-    return inqueue.get()
+    return _recv_task(inqueue._reader)
 
 
 def worker(inqueue, outqueue, initializer=None, initargs=(), maxtasks=None, wrap_exception=False, group=None):
@@ -123,17 +161,20 @@ def worker(inqueue, outqueue, initializer=None, initargs=(), maxtasks=None, wrap
     completed, dirty, last_gc = 0, False, time.monotonic()
     while maxtasks is None or completed < maxtasks:
         try:
-            task = _next_task(inqueue, dirty)
+            head, body, fds = _next_task(inqueue, dirty)
         except (EOFError, OSError):
             util.debug("worker got EOFError or OSError -- exiting")
             break
-        if task is None:
+        if head is None:
             util.debug("worker got sentinel -- exiting")
             break
 
-        job, i, func, args, kwds = task
-        put((_STARTED, pid, job, i))
+        job, i = head
+        put((_STARTED, pid, job, i))  # before unpickling the arguments: see Note [lost tasks]
+        func = None
         try:
+            _, _, func, args, kwds = loads(body, fds)
+            body = None
             result = (True, func(*args, **kwds))
         except Exception as e:
             if wrap_exception and func is not mp_pool._helper_reraises_exception:
@@ -146,7 +187,7 @@ def worker(inqueue, outqueue, initializer=None, initargs=(), maxtasks=None, wrap
             util.debug(f"Possible encoding error while sending result: {wrapped}")
             put((job, i, (False, wrapped)))
 
-        task = job = result = func = args = kwds = None
+        head = body = fds = job = result = func = args = kwds = None
         completed += 1
         now = time.monotonic()
         if now - last_gc >= GC_INTERVAL:
@@ -226,11 +267,34 @@ class Pool(mp_pool.Pool):
     def _setup_queues(self):
         self._inqueue = SimpleQueue()
         self._outqueue = SimpleQueue()
-        self._quick_put = self._inqueue._writer.send
+        self._quick_put = functools.partial(_put_task, self._inqueue._writer)
         self._quick_get = self._outqueue._reader.recv
 
     def _get_sentinels(self):
         return [self._change_notifier._reader]
+
+    @staticmethod
+    def _help_stuff_finish(inqueue, task_handler, size):
+        """Drain the inqueue at terminate (the task handler may be blocked putting), unpickling each task so
+        that the shared memory it names is given back (file_system: its in-flight counts).
+
+        The stdlib drains only while the task handler lives, which ends as soon as the worker handler's
+        does: what it leaves queued would hold its segments until the group ends. This drains all that is
+        queued, sentinels too (the workers are terminated next); a task whose put was under way when the
+        queue was found empty is still left. Reads do not block: the workers read the inqueue meanwhile.
+        """
+        util.debug("removing tasks from inqueue")
+        inqueue._rlock.acquire()
+        while True:
+            try:
+                _, body, fds = _split_task(*recv_raw(inqueue._reader._sock, socket.MSG_DONTWAIT))
+            except (EOFError, OSError):  # empty (BlockingIOError), or closed
+                break
+            try:
+                loads(body, fds)
+            except Exception:  # the worker would have made it the task's error; nobody waits for it now
+                pass
+            time.sleep(0)
 
     @staticmethod
     def _repopulate_pool_static(ctx, Process, processes, pool, inqueue, outqueue, initializer, initargs,
