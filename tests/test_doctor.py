@@ -6,7 +6,7 @@ import sys
 def test_doctor_reports_machine():
     out = subprocess.run([sys.executable, "-m", "arraymp", "doctor"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    for needle in ("/dev/shm", "ulimit -n", "memfd_create", "start method"):
+    for needle in ("/dev/shm", "ulimit -n", "memfd_create", "start method", "CUDA"):
         assert needle in out.stdout
 
 

@@ -6,6 +6,8 @@ import multiprocessing
 import os
 import resource
 
+import shm_cuda
+
 SMALL_SHM = 1 << 30  # below 1 GiB /dev/shm is small for array work (docker's default is 64 MiB)
 
 
@@ -17,6 +19,26 @@ def _memfd_ok() -> bool:
     except OSError:
         return False
     return True
+
+
+def _remove_ipc() -> str | None:
+    """systemd-logind's RemoveIPC for this user: "yes"/"no", or None where it does not apply."""
+    if not os.path.isdir("/run/systemd/system") or os.getuid() < 1000:  # no systemd; root and system users are exempt
+        return None
+    value = "yes"  # logind's default
+    dropins = [os.path.join(d, f) for d in ("/usr/lib/systemd/logind.conf.d", "/etc/systemd/logind.conf.d",
+                                            "/run/systemd/logind.conf.d") if os.path.isdir(d)
+               for f in sorted(os.listdir(d)) if f.endswith(".conf")]
+    for path in ["/etc/systemd/logind.conf", *dropins]:  # the last setting wins
+        try:
+            with open(path) as f:
+                for line in f:
+                    key, _, v = line.strip().partition("=")
+                    if key.strip() == "RemoveIPC":
+                        value = v.strip().lower()
+        except OSError:
+            pass
+    return value
 
 
 def _gib(n: int) -> str:
@@ -48,9 +70,16 @@ def report() -> tuple[list[str], list[str]]:
             lines.append(f"vm.max_map_count: {f.read().strip()}")
     except OSError:
         pass
+    remove_ipc = _remove_ipc()
+    if remove_ipc is not None:
+        lines.append(f"systemd RemoveIPC: {remove_ipc}" + (
+            " (named segments of the 'file_system' strategy are removed when this user's last login session ends; "
+            "memfd segments are not: keep the default strategy, or `loginctl enable-linger`)"
+            if remove_ipc in ("yes", "true", "1", "on") else ""))
     lines.append(f"default start method: {multiprocessing.get_start_method(allow_none=True) or 'fork (unset)'}; "
                  f"available: {', '.join(multiprocessing.get_all_start_methods())}")
-    return lines, warnings
+    cuda_lines, cuda_warnings = shm_cuda.doctor_report()
+    return lines + cuda_lines, warnings + cuda_warnings
 
 
 def main() -> int:

@@ -117,3 +117,8 @@ def test_driver_calls_name_the_missing_driver():
 def test_a_probe_for_cupy_does_not_use_up_the_registration():
     lines = run("import importlib.util\nassert importlib.util.find_spec('cupy')\n" + CODE)
     assert lines[:2] == ["False [] False", "['ndarray'] False"]
+
+
+def test_doctor_report_says_why_there_is_no_cuda():
+    lines = run("import shm_cuda\nfor line in shm_cuda.doctor_report()[0]: print(line)")
+    assert lines[0].startswith("CUDA: no CUDA device is visible") and "CUDA_VISIBLE_DEVICES" in lines[0]

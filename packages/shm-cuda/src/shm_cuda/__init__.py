@@ -18,6 +18,7 @@ from ._cuda import (
     rebuild_cupy_array,
     reduce_cupy_array,
 )
+from ._doctor import report as doctor_report
 from ._errors import (
     ForkedAfterInitError,
     HandleError,
@@ -52,6 +53,7 @@ __all__ = [
     "collect",
     "consumer_for",
     "device_available",
+    "doctor_report",
     "export_handle",
     "init_reductions",
     "rebuild_cupy_array",
