@@ -30,20 +30,13 @@ def start(target, *args):
     return p
 
 
-def test_simple_sharing(cp):
-    q_in, q_out = ctx.Queue(), ctx.Queue()
-    p = start("echo_sum", q_in, q_out)
-    arr = cp.arange(1000, dtype=cp.float32)
-    q_in.put(arr)
-    assert q_out.get(timeout=120) == float(arr.sum())
-    p.join(60)
-    assert p.exitcode == 0
-
-
-def test_through_arraymp_queues(cp):
-    # mp-reductions' queues register the cupy reducer in every process that receives them
-    mpr = pytest.importorskip("mp_reductions", reason="mp-reductions is not installed beside shm-cuda")
-    q_in, q_out = mpr.Queue(), mpr.Queue()
+@pytest.mark.parametrize("queues", ["stdlib", "arraymp"])
+def test_simple_sharing(cp, queues):
+    if queues == "stdlib":
+        Queue = ctx.Queue
+    else:  # mp-reductions' queues register the cupy reducer in every process that receives them
+        Queue = pytest.importorskip("mp_reductions", reason="mp-reductions is not installed beside shm-cuda").Queue
+    q_in, q_out = Queue(), Queue()
     p = start("echo_sum", q_in, q_out)
     arr = cp.arange(1000, dtype=cp.float32)
     q_in.put(arr)
