@@ -28,3 +28,23 @@ def hold_and_check(q, out, seed):
     for arr, tag, _ in held:
         bad += int(not (arr == tag).all())
     out.put((count, bad))
+
+
+def relay(q_in, q_out):
+    """Forward every received array, dropping it at once (a pipeline stage)."""
+    while True:
+        a = q_in.get(timeout=60)
+        q_out.put(a)
+        if a is None:
+            return
+        del a
+
+
+def check_sequence(q, out):
+    """Slowly receive arrays tagged 0, 1, 2, ...: count those whose contents are not their tag."""
+    bad = n = 0
+    while (a := q.get(timeout=60)) is not None:
+        time.sleep(0.0005)
+        bad += int(not (a == n).all())
+        n += 1
+    out.put((n, bad))

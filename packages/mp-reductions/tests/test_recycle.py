@@ -36,6 +36,25 @@ def test_recycling_never_overwrites_a_viewed_segment(method):
     assert [bad for _, bad in results] == [0, 0]
 
 
+@pytest.mark.parametrize("method", ["spawn", "fork", "forkserver"])
+def test_a_forwarded_copy_is_never_overwritten(method):
+    # producer -> relay -> slow sink: the relay drops each array as soon as it has sent it on,
+    # so only the message in flight names the producer's copy segment then
+    ctx = multiprocessing.get_context(method)
+    q1, q2, out = mpr.Queue(maxsize=4), mpr.Queue(maxsize=32), mpr.Queue()
+    procs = [ctx.Process(target=_recycle_targets.relay, args=(q1, q2)),
+             ctx.Process(target=_recycle_targets.check_sequence, args=(q2, out))]
+    for p in procs:
+        p.start()
+    n = 1000
+    for i in range(n):
+        q1.put(np.full(30_000, i, np.int64))  # 240 KB: a recycled copy
+    q1.put(None)
+    assert out.get(timeout=120) == (n, 0)
+    for p in procs:
+        p.join(30)
+
+
 def test_recycled_segment_is_reused_and_arrives_mapped():
     q = mpr.Queue()
     a = np.arange(100_000.0)

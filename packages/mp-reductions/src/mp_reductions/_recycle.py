@@ -15,11 +15,14 @@ shared one sent again and again is mapped once::
 
 A segment is free when no message naming it is in flight (``pending``, the
 header's user word) and no process holds a view of it (``views``, counted by
-the C mapping on a process's first and last buffer export). The receiver
-counts its view before it gives back ``pending``, and the producer reads
-``pending`` before ``views``, so a segment is never handed out while anyone
-can still see it. A message that is never received keeps ``pending`` up: that
-segment simply leaves the pool when idle.
+the C mapping on a process's first and last buffer export). Every message that
+names a segment counts in ``pending``, not only the copy's own: a receiver
+that sends a view on and drops it at once leaves only that message naming the
+segment (on our channels once per segment per message, elsewhere once per
+array). The receiver counts its view before it gives back ``pending``, and the
+producer reads ``pending`` before ``views``, so a segment is never handed out
+while anyone can still see it. A message that is never received keeps
+``pending`` up: that segment simply leaves the pool when idle.
 
 Pooled and recent segments are dropped after ``IDLE`` seconds unused (a reaper
 thread), at once when memory runs out, and at exit.

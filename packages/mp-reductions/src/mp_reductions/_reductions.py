@@ -49,6 +49,7 @@ class Outgoing:
         self.handles = False  # the message names shared memory (the receiver needs an Incoming)
         self.fds: list[int] = []
         self.keep: list = []  # objects whose descriptors or counts must live until sent
+        self.pending: list[shm_core.Segment] = []  # segments this message counts in flight (_recycle PENDING)
         self._index: dict[int, int] = {}
         self._copies: list[tuple[np.ndarray, int]] = []
         self._copy_size = 0
@@ -67,7 +68,12 @@ class Outgoing:
             i = self._index[id(seg)] = len(self.fds)
             self.fds.append(fd)
             self.keep.append(seg)
+            self._count_pending(seg)
         return ("m", i)
+
+    def _count_pending(self, seg: shm_core.Segment) -> None:
+        seg.fetch_add(_recycle.PENDING, 1)  # see _recycle Note [recycling]: it may be a recycled copy
+        self.pending.append(seg)
 
     def named_ref(self, seg: shm_core.Segment) -> tuple:
         self.handles = True
@@ -75,6 +81,7 @@ class Outgoing:
             self._index[id(seg)] = -1
             seg.incref()  # the in-flight count, see _shared Note [named segments]
             self.keep.append(seg)
+            self._count_pending(seg)
         return ("n", seg.name, seg.dir)
 
     def copy_ref(self, arr: np.ndarray) -> tuple[tuple, int]:
@@ -102,7 +109,7 @@ class Outgoing:
             mgr.register(seg.name)
         else:
             seg = self.recycled = _recycle.take(self._copy_size)
-            seg.fetch_add(_recycle.PENDING, 1)
+            self._count_pending(seg)
             self.fds[self._copy_ref[1]] = seg.fd
         for arr, offset in self._copies:
             np.copyto(seg.ndarray(arr.shape, arr.dtype, offset), arr, casting="no")
@@ -111,6 +118,7 @@ class Outgoing:
     def sent(self) -> None:
         """The message is in the socket: what it held may go, its copy segment back to the pool."""
         self.keep.clear()
+        self.pending.clear()
         self.named_copy = None
         if self.recycled is not None:
             _recycle.sent(self.recycled)
@@ -122,11 +130,13 @@ class Outgoing:
             if isinstance(obj, shm_core.Segment) and obj.name and self._index.get(id(obj)) == -1:
                 obj.decref()
         self.keep.clear()
+        for seg in self.pending:
+            seg.fetch_add(_recycle.PENDING, -1)
+        self.pending.clear()
         if self.named_copy is not None:
             _shared._release_named(self.named_copy)
             self.named_copy = None
         if self.recycled is not None:
-            self.recycled.fetch_add(_recycle.PENDING, -1)
             _recycle.sent(self.recycled)
             self.recycled = None
 
@@ -137,7 +147,7 @@ class Incoming:
     def __init__(self, fds: list[int]):
         self.fds = fds
         self.segments: dict = {}
-        self.copies_viewed: set[int] = set()
+        self.viewed_keys: set = set()
 
     def segment(self, i: int, size: int) -> shm_core.Segment:
         seg = self.segments.get(i)
@@ -148,10 +158,10 @@ class Incoming:
             seg = self.segments[i] = _received(_shared.attach_fd(fd, size, owned=True))
         return seg
 
-    def viewed_copy(self, i: int, seg: shm_core.Segment) -> None:
-        """A view of the message's copy segment exists: give back its in-flight count (once)."""
-        if i not in self.copies_viewed:
-            self.copies_viewed.add(i)
+    def viewed(self, key, seg: shm_core.Segment) -> None:
+        """A view of a segment the message names exists: give back its in-flight count (once per message)."""
+        if key not in self.viewed_keys:
+            self.viewed_keys.add(key)
             seg.fetch_add(_recycle.PENDING, -1)
 
     def named(self, name: str, dir: str, size: int | None) -> shm_core.Segment:
@@ -209,13 +219,13 @@ def reduce_ndarray(arr: np.ndarray):
     seg, offset = found
     strides = None if arr.flags.c_contiguous else arr.strides
     if seg.name:
-        ref = ctx.named_ref(seg) if isinstance(ctx, Outgoing) else _named_ref_alone(seg)
+        ref = ctx.named_ref(seg) if isinstance(ctx, Outgoing) else _counted(seg, _named_ref_alone(seg))
     else:
         fd = _shared.fd_for_sending(seg)
         if fd < 0:
             _shared.warn_copy_resend()
             return reduce_ndarray(np.array(arr, copy=True))
-        ref = ctx.fd_ref(seg, fd) if isinstance(ctx, Outgoing) else ("d", _dupfd(fd))
+        ref = ctx.fd_ref(seg, fd) if isinstance(ctx, Outgoing) else _counted(seg, ("d", _dupfd(fd)))
     return rebuild_ndarray, (ref, seg.size, offset, arr.shape, strides, _dtype(arr.dtype), _readonly(arr))
 
 
@@ -233,6 +243,12 @@ def _dupfd(fd: int):
 def _named_ref_alone(seg):
     seg.incref()  # in flight; the receiver takes it over
     return ("n", seg.name, seg.dir)
+
+
+def _counted(seg: shm_core.Segment, ref: tuple) -> tuple:
+    """``ref``, with one in-flight count of ``seg`` for this array (a message outside our channels)."""
+    seg.fetch_add(_recycle.PENDING, 1)
+    return ref
 
 
 def _received(seg: shm_core.Segment) -> shm_core.Segment:
@@ -283,8 +299,11 @@ def rebuild_ndarray(ref, size, offset, shape, strides, dtype, readonly):
     seg = _segment_for(ref, size)
     _check_extent(seg.size, offset, shape, strides, dtype.itemsize)
     arr = seg.ndarray(shape, dtype, offset, strides, readonly=readonly)
-    if ref[0] == "c":
-        _current().viewed_copy(ref[1], seg)
+    ctx = _current()
+    if isinstance(ctx, Incoming) and ref[0] != "d":
+        ctx.viewed(ref[:2], seg)  # once per segment per message, as the sender counted
+    else:
+        seg.fetch_add(_recycle.PENDING, -1)  # counted per array by the reducer (_counted)
     return arr
 
 
