@@ -18,7 +18,7 @@ def memfd_mappings():
 
 
 @pytest.mark.parametrize("method", ["spawn", "fork", "forkserver"])
-def test_recycling_never_overwrites_a_viewed_segment(method):
+def test_recycling_never_overwrites_a_viewed_segment(method, strategy):
     ctx = multiprocessing.get_context(method)
     q, out = mpr.Queue(maxsize=4), mpr.Queue()
     consumers = [ctx.Process(target=_recycle_targets.hold_and_check, args=(q, out, seed)) for seed in (1, 2)]
@@ -37,7 +37,7 @@ def test_recycling_never_overwrites_a_viewed_segment(method):
 
 
 @pytest.mark.parametrize("method", ["spawn", "fork", "forkserver"])
-def test_a_forwarded_copy_is_never_overwritten(method):
+def test_a_forwarded_copy_is_never_overwritten(method, strategy):
     # producer -> relay -> slow sink: the relay drops each array as soon as it has sent it on,
     # so only the message in flight names the producer's copy segment then
     ctx = multiprocessing.get_context(method)
@@ -55,7 +55,7 @@ def test_a_forwarded_copy_is_never_overwritten(method):
         p.join(30)
 
 
-def test_recycled_segment_is_reused_and_arrives_mapped():
+def test_recycled_segment_is_reused_and_arrives_mapped(strategy):
     q = mpr.Queue()
     a = np.arange(100_000.0)
     q.put(a)
@@ -74,7 +74,7 @@ def test_recycled_segment_is_reused_and_arrives_mapped():
     assert len(seen) <= 2  # the same one or two segments went round
 
 
-def test_a_held_array_is_never_reused():
+def test_a_held_array_is_never_reused(strategy):
     q = mpr.Queue()
     kept = []
     for i in range(10):
@@ -82,6 +82,25 @@ def test_a_held_array_is_never_reused():
         kept.append(q.get(timeout=5))
     assert [int(k[0]) for k in kept] == list(range(10)) and all((k == i).all() for i, k in enumerate(kept))
     assert len({id(segment_of(k)[0]) for k in kept}) == 10
+
+
+def test_a_pooled_named_segment_too_small_for_the_message_is_not_used():
+    # file_system: the pooled segment is chosen at the message's first copy (its name goes into the
+    # pickle), before the message's size is known; a message that outgrows it is pickled again
+    mpr.set_sharing_strategy("file_system")
+    try:
+        q = mpr.Queue()
+        q.put(np.zeros(20_000))
+        small = segment_of(q.get(timeout=5))[0]
+        del_small = small.name
+        del small
+        msg = [np.full(20_000, 1.0), np.full(200_000, 2.0)]  # the first fits the pooled segment, not both
+        q.put(msg)
+        got = q.get(timeout=5)
+        assert (got[0] == 1).all() and (got[1] == 2).all()
+        assert segment_of(got[0])[0].name != del_small and segment_of(got[0])[0].size >= 8 * 220_000
+    finally:
+        mpr.set_sharing_strategy("file_descriptor")
 
 
 def test_idle_recycled_segments_are_released():

@@ -28,7 +28,7 @@ from multiprocessing.reduction import ForkingPickler
 
 import shm_core
 
-from ._reductions import MAX_FDS, Incoming, Outgoing, tls
+from ._reductions import MAX_FDS, CopyMiss, Incoming, Outgoing, tls
 
 INLINE = 64 * 1024
 SPIN = int(os.environ.get("ARRAYMP_QUEUE_SPIN", "50"))  # see _queues Note [spin]
@@ -59,6 +59,13 @@ class _Pickler(pickle.Pickler):
 
 
 def _pickle(obj, out: Outgoing, head: bytes = b"") -> tuple[Outgoing, memoryview]:
+    try:
+        return _pickle_once(obj, out, head)
+    except CopyMiss:  # the pooled copy segment was too small: once more, with a new one
+        return _pickle_once(obj, Outgoing(out.share_all, pooled=False), head)
+
+
+def _pickle_once(obj, out: Outgoing, head: bytes) -> tuple[Outgoing, memoryview]:
     buf = io.BytesIO()
     buf.write(head)
     saved, tls.ctx = tls.ctx, out

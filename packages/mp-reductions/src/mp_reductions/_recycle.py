@@ -8,21 +8,26 @@ receive), so a recycled segment arrives already mapped and faulted, and a
 shared one sent again and again is mapped once::
 
     producer                                  receiver
-    take(n): a pooled segment that is free,   rebuild: view the segment, then
-             else a new one                            pending -= 1
-    pending += 1; send; give back to pool     last view dies: views -= 1 (C)
+    take(n): a pooled segment that is free,   rebuild: view the segment (refs += 1, C),
+             else a new one                            then refs -= 1 (the message's)
+    refs += 1; send; give back to pool        last view dies: refs -= 1 (C)
                                               mapping kept in `recent` (idle <= 1 s)
 
-A segment is free when no message naming it is in flight (``pending``, the
-header's user word) and no process holds a view of it (``views``, counted by
-the C mapping on a process's first and last buffer export). Every message that
-names a segment counts in ``pending``, not only the copy's own: a receiver
-that sends a view on and drops it at once leaves only that message naming the
-segment (on our channels once per segment per message, elsewhere once per
-array). The receiver counts its view before it gives back ``pending``, and the
-producer reads ``pending`` before ``views``, so a segment is never handed out
-while anyone can still see it. A message that is never received keeps
-``pending`` up: that segment simply leaves the pool when idle.
+A segment is free when no message naming it is in flight and no process
+holds a view of it. Both are counted in one word, the header's ``views``
+word (``REFS``): the C mapping adds one on a process's first buffer export
+and takes it off on its last, and every message that names a segment adds one
+when it is made and its receiver takes one off once it views the segment (on
+our channels once per segment per message, elsewhere once per array). Not
+only the copy's own message counts: a receiver that sends a view on and drops
+it at once leaves only that message naming the segment. A receiver views
+before it gives the message's count back, a sender counts its message before
+it drops its view, so while anyone can reach the segment the word is above
+zero, and one read of it decides. (Two words, read one after the other, could
+both read zero while a reference moved from a view to a message and on to
+another view: a pipeline stage corrupted arrays that way.) A message that is
+never received keeps the word up: that segment simply leaves the pool when
+idle.
 
 Pooled and recent segments are dropped after ``IDLE`` seconds unused (a reaper
 thread), at once when memory runs out, and at exit.
@@ -39,7 +44,7 @@ import shm_core
 
 from . import _shared
 
-PENDING = shm_core.USER_OFFSET
+REFS = shm_core.VIEWS_OFFSET  # messages in flight + processes with views (Note [recycling])
 IDLE = float(os.environ.get("ARRAYMP_RECYCLE_IDLE", "1.0"))
 POOL_MAX = 8  # pooled segments per process
 RECENT_BYTES = 2 << 30  # mappings a receiver keeps for recycled segments
@@ -66,25 +71,38 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _free(seg: shm_core.Segment) -> bool:
-    return seg.load(PENDING) == 0 and seg.views == 0
+    return seg.load(REFS) == 0
 
 
-def take(nbytes: int) -> shm_core.Segment:
-    """A free pooled segment of at least ``nbytes`` (and not much more), else a new one."""
+def _pick(fits) -> shm_core.Segment | None:
+    """Take the smallest free pooled segment that ``fits``."""
     st = _state
     with st.lock:
         best = None
         for i, (seg, _) in enumerate(st.pool):
-            if nbytes <= seg.size <= 2 * nbytes + (1 << 20) and (best is None or seg.size < st.pool[best][0].size) \
-                    and _free(seg):
+            if fits(seg) and (best is None or seg.size < st.pool[best][0].size) and _free(seg):
                 best = i
-        if best is not None:
-            return st.pool.pop(best)[0]
+        return st.pool.pop(best)[0] if best is not None else None
+
+
+def take(nbytes: int) -> shm_core.Segment:
+    """A free pooled memfd segment of at least ``nbytes`` (and not much more), else a new one."""
+    seg = _pick(lambda s: not s.name and nbytes <= s.size <= 2 * nbytes + (1 << 20))
+    if seg is not None:
+        return seg
     try:
         return _shared.new_segment(nbytes, "file_descriptor")
     except shm_core.SharedMemoryFullError:
         release_all()  # memory pressure: give back what we keep, then try once more
         return _shared.new_segment(nbytes, "file_descriptor")
+
+
+def take_named(min_bytes: int) -> shm_core.Segment | None:
+    """A free pooled named segment of at least ``min_bytes`` (file_system), or None: the caller makes one.
+
+    Only a lower bound is known when the segment's name must go into the pickle (see
+    _reductions.CopyMiss)."""
+    return _pick(lambda s: bool(s.name) and s.size >= min_bytes)
 
 
 def sent(seg: shm_core.Segment) -> None:

@@ -43,19 +43,19 @@ MAX_FDS = 250  # the kernel passes at most 253 descriptors in one message (SCM_M
 class Outgoing:
     """What a message being pickled needs besides its bytes: descriptors and copies."""
 
-    def __init__(self, share_all: bool = False):
+    def __init__(self, share_all: bool = False, pooled: bool = True):
         self.share_all = share_all  # no array inline: the message would not fit the socket otherwise
+        self.pooled = pooled  # file_system: the copy may go into a pooled segment chosen at the first copy
         self.inlined = 0  # arrays that went inline
         self.handles = False  # the message names shared memory (the receiver needs an Incoming)
         self.fds: list[int] = []
         self.keep: list = []  # objects whose descriptors or counts must live until sent
-        self.pending: list[shm_core.Segment] = []  # segments this message counts in flight (_recycle PENDING)
+        self.pending: list[shm_core.Segment] = []  # segments this message counts in flight (_recycle.REFS)
         self._index: dict[int, int] = {}
         self._copies: list[tuple[np.ndarray, int]] = []
         self._copy_size = 0
         self._copy_ref = None
-        self.recycled: shm_core.Segment | None = None  # the message's copy segment (file_descriptor)
-        self.named_copy: shm_core.Segment | None = None  # the message's copy segment (file_system)
+        self.recycled: shm_core.Segment | None = None  # the message's copy segment, back to the pool once sent
 
     def fd_ref(self, seg: shm_core.Segment, fd: int) -> tuple:
         self.handles = True
@@ -72,7 +72,7 @@ class Outgoing:
         return ("m", i)
 
     def _count_pending(self, seg: shm_core.Segment) -> None:
-        seg.fetch_add(_recycle.PENDING, 1)  # see _recycle Note [recycling]: it may be a recycled copy
+        seg.fetch_add(_recycle.REFS, 1)  # see _recycle Note [recycling]: it may be a recycled copy
         self.pending.append(seg)
 
     def named_ref(self, seg: shm_core.Segment) -> tuple:
@@ -91,7 +91,11 @@ class Outgoing:
         self._copies.append((arr, offset))
         if self._copy_ref is None:
             if get_sharing_strategy() == "file_system":
-                self._copy_ref = ("n", _shared._manager().new_name(), shm_core.shm_dir())
+                # the name goes into the pickle now, the size is known at finish(): a pooled segment
+                # at least as large as this first array, else a new one made then (see CopyMiss)
+                seg = self.recycled = _recycle.take_named(arr.nbytes) if self.pooled else None
+                self._copy_ref = ("n", seg.name, seg.dir) if seg else \
+                    ("n", _shared._manager().new_name(), shm_core.shm_dir())
             else:
                 self._copy_ref = ("c", len(self.fds))
                 self.fds.append(-1)  # filled by finish()
@@ -103,14 +107,18 @@ class Outgoing:
             return
         kind = self._copy_ref[0]
         if kind == "n":
-            mgr = _shared._manager()
-            seg = self.named_copy = shm_core.create(self._copy_size, name=self._copy_ref[1])
-            seg.incref()  # in flight; nobody here holds it
-            mgr.register(seg.name)
+            seg = self.recycled
+            if seg is None:
+                seg = self.recycled = _shared.new_segment(self._copy_size, "file_system", name=self._copy_ref[1])
+            elif seg.size < self._copy_size:
+                raise CopyMiss
+            seg.incref()  # in flight, see _shared Note [named segments]; this process holds it for its pool
+            self.keep.append(seg)
+            self._index[id(seg)] = -1  # abort() gives the in-flight count back
         else:
             seg = self.recycled = _recycle.take(self._copy_size)
-            self._count_pending(seg)
             self.fds[self._copy_ref[1]] = seg.fd
+        self._count_pending(seg)
         for arr, offset in self._copies:
             np.copyto(seg.ndarray(arr.shape, arr.dtype, offset), arr, casting="no")
         self._copies.clear()
@@ -119,7 +127,6 @@ class Outgoing:
         """The message is in the socket: what it held may go, its copy segment back to the pool."""
         self.keep.clear()
         self.pending.clear()
-        self.named_copy = None
         if self.recycled is not None:
             _recycle.sent(self.recycled)
             self.recycled = None
@@ -131,14 +138,16 @@ class Outgoing:
                 obj.decref()
         self.keep.clear()
         for seg in self.pending:
-            seg.fetch_add(_recycle.PENDING, -1)
+            seg.fetch_add(_recycle.REFS, -1)
         self.pending.clear()
-        if self.named_copy is not None:
-            _shared._release_named(self.named_copy)
-            self.named_copy = None
         if self.recycled is not None:
             _recycle.sent(self.recycled)
             self.recycled = None
+
+
+class CopyMiss(Exception):
+    """The pooled segment chosen at a message's first copy is too small for all its copies: pickle the
+    message again with ``Outgoing(pooled=False)`` (a new segment of the exact size)."""
 
 
 class Incoming:
@@ -162,7 +171,7 @@ class Incoming:
         """A view of a segment the message names exists: give back its in-flight count (once per message)."""
         if key not in self.viewed_keys:
             self.viewed_keys.add(key)
-            seg.fetch_add(_recycle.PENDING, -1)
+            seg.fetch_add(_recycle.REFS, -1)
 
     def named(self, name: str, dir: str, size: int | None) -> shm_core.Segment:
         # one in-flight count per segment per message, see Outgoing.named_ref
@@ -247,7 +256,7 @@ def _named_ref_alone(seg):
 
 def _counted(seg: shm_core.Segment, ref: tuple) -> tuple:
     """``ref``, with one in-flight count of ``seg`` for this array (a message outside our channels)."""
-    seg.fetch_add(_recycle.PENDING, 1)
+    seg.fetch_add(_recycle.REFS, 1)
     return ref
 
 
@@ -303,7 +312,7 @@ def rebuild_ndarray(ref, size, offset, shape, strides, dtype, readonly):
     if isinstance(ctx, Incoming) and ref[0] != "d":
         ctx.viewed(ref[:2], seg)  # once per segment per message, as the sender counted
     else:
-        seg.fetch_add(_recycle.PENDING, -1)  # counted per array by the reducer (_counted)
+        seg.fetch_add(_recycle.REFS, -1)  # counted per array by the reducer (_counted)
     return arr
 
 

@@ -139,11 +139,12 @@ def fd_key(fd: int) -> tuple:
     return "f", st.st_dev, st.st_ino
 
 
-def new_segment(size: int, strategy: str | None = None) -> shm_core.Segment:
-    """A fresh segment of ``size`` data bytes under the current (or given) strategy."""
+def new_segment(size: int, strategy: str | None = None, name: str | None = None) -> shm_core.Segment:
+    """A fresh segment of ``size`` data bytes under the current (or given) strategy (file_system: ``name``,
+    from shm_manager.new_name(), or a new one)."""
     if (strategy or get_sharing_strategy()) == "file_system":
         mgr = _manager()
-        seg = shm_core.create(size, name=mgr.new_name())
+        seg = shm_core.create(size, name=name or mgr.new_name())
         seg.incref()
         mgr.register(seg.name)
         with _table.lock:

@@ -162,7 +162,8 @@ class Segment(_native.Mapping):
 
     @property
     def views(self) -> int:
-        """Processes that hold live views of this segment (all processes)."""
+        """Processes that hold live views of this segment (all processes), plus what callers add to
+        the same word (mp-reductions counts its messages in flight there: one word, read at once)."""
         return self.load(VIEWS_OFFSET)
 
     def incref(self, n: int = 1) -> int:
