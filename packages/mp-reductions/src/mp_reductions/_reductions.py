@@ -50,7 +50,7 @@ class Outgoing:
         self.handles = False  # the message names shared memory (the receiver needs an Incoming)
         self.fds: list[int] = []
         self.keep: list = []  # objects whose descriptors or counts must live until sent
-        self.pending: list[shm_core.Segment] = []  # segments this message counts in flight (_recycle.REFS)
+        self.in_flight: list[shm_core.Segment] = []  # segments this message counts in flight (_recycle.REFS)
         self._index: dict[int, int] = {}
         self._copies: list[tuple[np.ndarray, int]] = []
         self._copy_size = 0
@@ -68,12 +68,12 @@ class Outgoing:
             i = self._index[id(seg)] = len(self.fds)
             self.fds.append(fd)
             self.keep.append(seg)
-            self._count_pending(seg)
+            self._count_in_flight(seg)
         return ("m", i)
 
-    def _count_pending(self, seg: shm_core.Segment) -> None:
+    def _count_in_flight(self, seg: shm_core.Segment) -> None:
         seg.fetch_add(_recycle.REFS, 1)  # see _recycle Note [recycling]: it may be a recycled copy
-        self.pending.append(seg)
+        self.in_flight.append(seg)
 
     def named_ref(self, seg: shm_core.Segment) -> tuple:
         self.handles = True
@@ -81,7 +81,7 @@ class Outgoing:
             self._index[id(seg)] = -1
             seg.incref()  # the in-flight count, see _shared Note [named segments]
             self.keep.append(seg)
-            self._count_pending(seg)
+            self._count_in_flight(seg)
         return ("n", seg.name, seg.dir)
 
     def copy_ref(self, arr: np.ndarray) -> tuple[tuple, int]:
@@ -118,7 +118,7 @@ class Outgoing:
         else:
             seg = self.recycled = _recycle.take(self._copy_size)
             self.fds[self._copy_ref[1]] = seg.fd
-        self._count_pending(seg)
+        self._count_in_flight(seg)
         for arr, offset in self._copies:
             np.copyto(seg.ndarray(arr.shape, arr.dtype, offset), arr, casting="no")
         self._copies.clear()
@@ -126,7 +126,7 @@ class Outgoing:
     def sent(self) -> None:
         """The message is in the socket: what it held may go, its copy segment back to the pool."""
         self.keep.clear()
-        self.pending.clear()
+        self.in_flight.clear()
         if self.recycled is not None:
             _recycle.sent(self.recycled)
             self.recycled = None
@@ -137,9 +137,9 @@ class Outgoing:
             if isinstance(obj, shm_core.Segment) and obj.name and self._index.get(id(obj)) == -1:
                 obj.decref()
         self.keep.clear()
-        for seg in self.pending:
+        for seg in self.in_flight:
             seg.fetch_add(_recycle.REFS, -1)
-        self.pending.clear()
+        self.in_flight.clear()
         if self.recycled is not None:
             _recycle.sent(self.recycled)
             self.recycled = None
