@@ -38,10 +38,11 @@ from collections import OrderedDict
 from . import _registry
 from ._cache import ImportCache
 from ._errors import HandleError, NoDeviceError, UnsupportedAllocatorError
-from ._fork import check_fork, mark_initialised
+from ._fork import check_fork, forked_error, mark_initialised, was_forked
 from ._handle import CudaArrayHandle
 from ._lazy import when_imported
 
+_INIT_ERROR = 3  # cudaErrorInitializationError: what CUDA says in a child forked after its parent initialised it
 _KEEP_ORIGINALS = 64  # per slot: arrays a same-process get can return as themselves
 _COLLECT_EVERY = 0.25  # seconds between the collector's passes while slots are busy
 _lock = threading.RLock()
@@ -62,6 +63,8 @@ def _cupy():
     try:
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # CUDARuntimeError: no driver, no device, insufficient driver
+        if was_forked() and getattr(exc, "status", None) == _INIT_ERROR:
+            raise forked_error() from None  # the parent initialised CUDA itself (not through shm_cuda)
         raise NoDeviceError(f"no CUDA device is visible to this process ({exc}); run on a machine with an NVIDIA "
                             "GPU and driver, and check CUDA_VISIBLE_DEVICES") from None
     mark_initialised()

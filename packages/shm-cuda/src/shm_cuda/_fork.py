@@ -12,6 +12,7 @@ import os
 from ._errors import ForkedAfterInitError
 
 _initialised = False
+_forked = False  # this process is a fork child
 _forked_after_init = False
 
 
@@ -22,7 +23,8 @@ def mark_initialised() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _forked_after_init, _initialised
+    global _forked_after_init, _initialised, _forked
+    _forked = True
     if _initialised:
         _forked_after_init = True
         _initialised = False
@@ -31,10 +33,19 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def forked_error() -> ForkedAfterInitError:
+    return ForkedAfterInitError(
+        f"process {os.getpid()} was forked after CUDA had been initialised in its parent, and CUDA cannot be used "
+        "in such a child; use the 'spawn' or 'forkserver' start method "
+        "(multiprocessing.set_start_method('spawn') or arraymp.get_context('spawn'))")
+
+
 def check_fork() -> None:
-    """Raise ForkedAfterInitError in a child forked after CUDA was initialised."""
+    """Raise ForkedAfterInitError in a child forked after CUDA was initialised (by shm_cuda)."""
     if _forked_after_init:
-        raise ForkedAfterInitError(
-            f"process {os.getpid()} was forked after CUDA had been initialised in its parent, and CUDA cannot be used "
-            "in such a child; use the 'spawn' or 'forkserver' start method "
-            "(multiprocessing.set_start_method('spawn') or arraymp.get_context('spawn'))")
+        raise forked_error()
+
+
+def was_forked() -> bool:
+    """Whether this process is a fork child (its parent may have initialised CUDA without shm_cuda)."""
+    return _forked
