@@ -2,7 +2,7 @@
 
 Systems (each a long-lived spawn consumer, so imports are paid once):
 
-- ``arraymp``   arraymp's Queue (file_descriptor strategy, the default)
+- ``arraymp``   arraymp's Queue (``--strategy``: file_descriptor, the default, or file_system)
 - ``stdlib``    multiprocessing's Queue with plain pickling (arraymp's reducer removed)
 - ``torch-fd``  torch.multiprocessing's Queue with tensors, file_descriptor strategy
 - ``torch-fs``  the same, file_system strategy (torch systems only when torch imports)
@@ -235,8 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=SIZES)
+    parser.add_argument("--strategy", choices=["file_descriptor", "file_system"], default="file_descriptor",
+                        help="arraymp's sharing strategy (the sender's)")
     args = parser.parse_args(argv)
-    import arraymp  # noqa: F401  (registers our reducer, which _as() removes for the others)
+    import arraymp  # registers our reducer, which _as() removes for the others
+
+    arraymp.set_sharing_strategy(args.strategy)
 
     names = ["arraymp", "stdlib"]
     try:
@@ -266,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
             s.close()
     med = {k: statistics.median(v) for k, v in results.items()}
     cols = [n for n in names]
-    print(f"\nmessages/s (GB/s for fresh arrays), median of {args.repeat}; ratio = arraymp / other")
+    print(f"\nmessages/s (GB/s for fresh arrays), median of {args.repeat}; ratio = arraymp / other; "
+          f"arraymp's strategy: {args.strategy}")
     print(f"{'workload':22}" + "".join(f"{c:>18}" for c in cols) + "".join(f"{'x ' + c:>12}" for c in cols[1:]))
     for shared in (False, True):
         for nbytes in args.sizes:
