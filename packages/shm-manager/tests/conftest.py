@@ -98,30 +98,30 @@ class Actor:
                 pass
 
 
+def _actor_env(monkeypatch, shm_dir) -> dict:
+    """The environment of actors: segments in ``shm_dir`` (None: the real /dev/shm), no inherited group."""
+    if shm_dir is None:
+        monkeypatch.delenv("ARRAYMP_SHM_DIR", raising=False)
+    else:
+        monkeypatch.setenv("ARRAYMP_SHM_DIR", str(shm_dir))
+    monkeypatch.delenv("ARRAYMP_GROUP", raising=False)
+    monkeypatch.delenv("ARRAYMP_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("ARRAYMP_MANAGER_LINGER", "0.5")
+    return {**os.environ, "PYTHONFAULTHANDLER": "1"}
+
+
 @pytest.fixture
 def env(tmp_path, monkeypatch):
     """A private segment directory ($ARRAYMP_SHM_DIR) and no inherited group."""
     d = tmp_path / "shm"
     d.mkdir()
-    monkeypatch.setenv("ARRAYMP_SHM_DIR", str(d))
-    monkeypatch.delenv("ARRAYMP_GROUP", raising=False)
-    monkeypatch.delenv("ARRAYMP_RUNTIME_DIR", raising=False)
-    monkeypatch.setenv("ARRAYMP_MANAGER_LINGER", "0.5")
-    e = dict(os.environ)
-    e["PYTHONFAULTHANDLER"] = "1"
-    return e
+    return _actor_env(monkeypatch, d)
 
 
 @pytest.fixture
 def real_env(monkeypatch):
     """The real /dev/shm."""
-    monkeypatch.delenv("ARRAYMP_SHM_DIR", raising=False)
-    monkeypatch.delenv("ARRAYMP_GROUP", raising=False)
-    monkeypatch.delenv("ARRAYMP_RUNTIME_DIR", raising=False)
-    monkeypatch.setenv("ARRAYMP_MANAGER_LINGER", "0.5")
-    e = dict(os.environ)
-    e["PYTHONFAULTHANDLER"] = "1"
-    return e
+    return _actor_env(monkeypatch, None)
 
 
 @pytest.fixture

@@ -85,14 +85,20 @@ def test_crash3_sigkill_whole_group_at_once_real_dev_shm(real_env, actors):
     wait_until(lambda: not pid_alive(daemon), 2, "the daemon to exit")
 
 
-def test_crash4_sigkill_daemon_alone_group_keeps_working(env, actors):
-    d = env["ARRAYMP_SHM_DIR"]
+def _group_whose_daemon_was_killed(env, actors, n: int):
+    """An actor in a new group holding ``n`` segments, its daemon SIGKILLed: (actor, group, names, daemon pid)."""
     p = actors(env)
     g = p.call("group")["group"]
-    first = p.call("create", n=3)["names"]
+    names = p.call("create", n=n)["names"]
     d1 = p.call("daemon_pid")["pid"]
     kill(d1)
     wait_until(lambda: not pid_alive(d1), 5, "the daemon to die")
+    return p, g, names, d1
+
+
+def test_crash4_sigkill_daemon_alone_group_keeps_working(env, actors):
+    d = env["ARRAYMP_SHM_DIR"]
+    p, g, first, d1 = _group_whose_daemon_was_killed(env, actors, 3)
 
     # no errors: unregister/register reconnect and start a new daemon lazily
     assert p.call("drop", names=first[:1])["unlinked"] == first[:1]  # refcount cleanup still works
@@ -111,12 +117,7 @@ def test_crash4_sigkill_daemon_alone_group_keeps_working(env, actors):
 
 def test_crash4_sigkill_daemon_then_group_gc_cleans(env, actors):
     d = env["ARRAYMP_SHM_DIR"]
-    p = actors(env)
-    g = p.call("group")["group"]
-    names = p.call("create", n=2)["names"]
-    d1 = p.call("daemon_pid")["pid"]
-    kill(d1)
-    wait_until(lambda: not pid_alive(d1), 5, "the daemon to die")
+    p, g, names, _ = _group_whose_daemon_was_killed(env, actors, 2)
     p.call("work")
     kill(p.pid)
     p.proc.wait(5)

@@ -75,12 +75,16 @@ def main(argv=None) -> int:
         return EXIT_ERROR
 
 
+def _print_json(obj) -> int:
+    json.dump(obj, sys.stdout, indent=1)
+    print()
+    return EXIT_OK
+
+
 def _list(args) -> int:
     segs = _gc.list_segments(args.dir)
     if args.json:
-        json.dump(segs, sys.stdout, indent=1)
-        print()
-        return EXIT_OK
+        return _print_json(segs)
     if not segs:
         print("no arraymp segments of this user")
         return EXIT_OK
@@ -100,10 +104,8 @@ def _gc_cmd(args) -> int:
     removed = _gc.gc(dry_run=args.dry_run, dir=args.dir, prefixes=prefixes, orphans=args.orphans)
     freed = sum(size for _, size in removed)
     if args.json:
-        json.dump({"dry_run": args.dry_run, "removed": [{"name": n, "bytes": b} for n, b in removed],
-                   "bytes_freed": 0 if args.dry_run else freed}, sys.stdout, indent=1)
-        print()
-        return EXIT_OK
+        return _print_json({"dry_run": args.dry_run, "removed": [{"name": n, "bytes": b} for n, b in removed],
+                            "bytes_freed": 0 if args.dry_run else freed})
     verb = "would remove" if args.dry_run else "removed"
     for name, size in removed:
         print(f"{verb} {name} ({_human(size)})")
@@ -117,9 +119,7 @@ def _gc_cmd(args) -> int:
 def _stats(args) -> int:
     s = _gc.stats(args.dir)
     if args.json:
-        json.dump(s, sys.stdout, indent=1)
-        print()
-        return EXIT_OK
+        return _print_json(s)
     print(f"{s['dir']}: size {_human(s['size'])}, used {_human(s['used'])}, free {_human(s['free'])}")
     print(f"ours: {s['our_segments']} segment(s), {_human(s['our_bytes'])}; reclaimable by gc "
           f"{_human(s['reclaimable_bytes'])}; groups alive {s['groups_alive']}, dead {s['groups_dead']}, "

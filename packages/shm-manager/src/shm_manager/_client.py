@@ -58,6 +58,17 @@ def _frame(op: bytes, d: str, name: str) -> bytes:
     return struct.pack("<I", len(payload)) + payload
 
 
+def _tell(c: _Conn, op: bytes, d: str, name: str, connect: bool = True) -> None:
+    """Send one change; unconnected, connect instead (when ``connect``), which sends every name and
+    hold, this change included. Under _lock."""
+    if c.sock is None:
+        if connect:
+            _connect(c)
+    else:
+        c.pending += _frame(op, d, name)
+    _drain(c)
+
+
 def register(name: str, dir: str | os.PathLike | None = None) -> None:
     """Tell the group's daemon about a named segment (fire-and-forget; never raises)."""
     try:
@@ -66,11 +77,7 @@ def register(name: str, dir: str | os.PathLike | None = None) -> None:
         with _lock:
             c = _conn
             c.names.add((d, name))
-            if c.sock is None:
-                _connect(c)  # sends every name, this one included
-            else:
-                c.pending += _frame(b"R", d, name)
-            _drain(c)
+            _tell(c, b"R", d, name)
     except Exception:
         pass
 
@@ -82,12 +89,7 @@ def unregister(name: str, dir: str | os.PathLike | None = None) -> None:
         with _lock:
             c = _conn
             c.names.discard((d, name))
-            if c.sock is None:
-                if c.names:
-                    _connect(c)
-            else:
-                c.pending += _frame(b"U", d, name)
-            _drain(c)
+            _tell(c, b"U", d, name, connect=bool(c.names))
     except Exception:
         pass
 
@@ -105,11 +107,7 @@ def hold(name: str, dir: str | os.PathLike | None = None) -> None:
         with _lock:
             c = _conn
             c.holds[(d, name)] = c.holds.get((d, name), 0) + 1
-            if c.sock is None:
-                _connect(c)  # sends every hold, this one included
-            else:
-                c.pending += _frame(b"H", d, name)
-            _drain(c)
+            _tell(c, b"H", d, name)
     except Exception:
         pass
 
