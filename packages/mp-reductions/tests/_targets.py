@@ -1,6 +1,7 @@
 """Functions run in child processes (importable under spawn and forkserver)."""
 
 import os
+import time
 
 import mp_reductions as mpr
 import numpy as np
@@ -73,3 +74,7 @@ def get_and_report(q, out):
     x = q.get(timeout=30)
     out.put((os.getpid(), float(x.sum()), bool(mpr.is_shared(x))))
 
+
+def signal_and_sleep(ready):
+    ready.set()
+    time.sleep(60)

@@ -33,6 +33,7 @@ from multiprocessing import reduction, resource_sharer  # noqa: F401
 # in the child, which then deadlocks on its first import of that module.
 import numpy as np
 import shm_core
+import shm_manager
 
 from . import _recycle, _shared
 from ._strategy import get_inline_threshold, get_sharing_strategy
@@ -95,7 +96,7 @@ class Outgoing:
                 # at least as large as this first array, else a new one made then (see CopyMiss)
                 seg = self.recycled = _recycle.take_named(arr.nbytes) if self.pooled else None
                 self._copy_ref = ("n", seg.name, seg.dir) if seg else \
-                    ("n", _shared._manager().new_name(), shm_core.shm_dir())
+                    ("n", shm_manager.new_name(), shm_core.shm_dir())
             else:
                 self._copy_ref = ("c", len(self.fds))
                 self.fds.append(-1)  # filled by finish()
@@ -335,7 +336,7 @@ def init_reductions() -> None:
     reduction.ForkingPickler.register(np.ndarray, reduce_ndarray)
     # Join (or start) this program's shm-manager group now: a child joins its
     # parent's, and a new program sweeps what dead groups left in /dev/shm.
-    _shared._manager().group()
+    shm_manager.group()
     try:
         import shm_cuda
     except ImportError:

@@ -19,9 +19,10 @@ in-flight count before sending; a receiver that already maps the segment gives
 it back, one that does not keeps it as its own. The holder that takes the count
 to zero unlinks the name and tells shm_manager. Holders tell shm_manager's
 daemon (hold), and give their count back through it (release): so the count of
-a holder that dies, even by SIGKILL, is given back exactly once. What a crash
-can still leak (a message lost in flight, a fork child's inherited count) is
-removed when the group ends.
+a holder that dies, even by SIGKILL, is given back exactly once; that includes
+a fork child, which holds (and tells the daemon it holds) every named segment
+it inherits. What a crash can still leak (a message lost in flight) is removed
+when the group ends.
 
 Small ``empty_shared`` arrays are carved out of per-process arenas (one segment
 holds many arrays), which keeps mappings, descriptors and messages' descriptor
@@ -39,6 +40,7 @@ from multiprocessing import util
 
 import numpy as np
 import shm_core
+import shm_manager  # before our at-fork hook: a fork child gets its own daemon connection first
 
 from ._strategy import get_sharing_strategy
 
@@ -78,12 +80,14 @@ _table = _Table()
 def _after_fork_in_child():
     global _arena
     # Same segments, fresh lock; the parent's arena must not be carved twice;
-    # the child now holds the named segments it inherited, so it counts them.
+    # the child now holds the named segments it inherited, so it counts them,
+    # through its own daemon connection (given back if it is killed).
     _table.lock = threading.Lock()
     _arena = _Arena()
     for key, seg in list(_table.segments.items()):
         if key[0] == "n" and seg.release_hook is not None:
             seg.incref()
+            shm_manager.hold(seg.name, seg.dir)
 
 
 def _release_all_named() -> None:
@@ -107,19 +111,13 @@ def _ensure_exit_hook(again: bool = False) -> None:
 
 
 # ---------------------------------------------------------------- named segments
-def _manager():
-    import shm_manager
-
-    return shm_manager
-
-
 def _release_named(seg: shm_core.Segment) -> None:
-    if _manager().release(seg.name, seg.dir):
+    if shm_manager.release(seg.name, seg.dir):
         return  # the daemon takes the count back, and unlinks at zero
     try:
         if seg.decref() == 0:
             seg.unlink()
-            _manager().unregister(seg.name)
+            shm_manager.unregister(seg.name)
     except FileNotFoundError:
         pass
 
@@ -127,7 +125,7 @@ def _release_named(seg: shm_core.Segment) -> None:
 def _adopt_named(seg: shm_core.Segment) -> shm_core.Segment:
     """This process holds one count of ``seg``; the daemon gives it back if we die."""
     _ensure_exit_hook()
-    _manager().hold(seg.name, seg.dir)
+    shm_manager.hold(seg.name, seg.dir)
     seg.release_hook = _release_named
     _table.add(("n", seg.name), seg)
     return seg
@@ -143,10 +141,9 @@ def new_segment(size: int, strategy: str | None = None, name: str | None = None)
     """A fresh segment of ``size`` data bytes under the current (or given) strategy (file_system: ``name``,
     from shm_manager.new_name(), or a new one)."""
     if (strategy or get_sharing_strategy()) == "file_system":
-        mgr = _manager()
-        seg = shm_core.create(size, name=name or mgr.new_name())
+        seg = shm_core.create(size, name=name or shm_manager.new_name())
         seg.incref()
-        mgr.register(seg.name)
+        shm_manager.register(seg.name)
         with _table.lock:
             return _adopt_named(seg)
     seg = shm_core.create_anonymous(size)
