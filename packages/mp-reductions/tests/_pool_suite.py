@@ -36,10 +36,12 @@ def wait_for_pid(slots, k=0) -> int:
     return int(slots[k])
 
 
-def timed(fn, *args):
+def assert_prompt(fn, *args):
+    """``fn`` returns without hanging (on a lost worker, or on tasks that sleep 60 s): a hang check,
+    not a speed one, so the bound is far above any delay of a loaded machine."""
     t0 = time.monotonic()
-    out = fn(*args)
-    return out, time.monotonic() - t0
+    fn(*args)
+    assert time.monotonic() - t0 < 20, f"{fn.__name__} waited for the blocked tasks"
 
 
 class PoolSuite:
@@ -95,7 +97,7 @@ class PoolSuite:
         queued = pool.map_async(T.square, range(20), chunksize=1)  # some wait in the inqueue
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(mpr.WorkerLostError) as info:
-            _, dt = timed(blocked.get, 5)
+            blocked.get(5)
         err = info.value
         assert err.pid == pid and err.signal_name == "SIGKILL" and err.kind == "apply" and err.index == 0
         assert f"worker {pid} died with signal SIGKILL while running task 0 of apply" in str(err)
@@ -104,18 +106,15 @@ class PoolSuite:
         assert pool.map(T.square, range(10)) == [x * x for x in range(10)]  # replaced; still serving
         assert pid not in pool.map(T.getpid, range(8), chunksize=1)
         pool.close()
-        _, dt = timed(pool.join)
-        assert dt < 1
+        assert_prompt(pool.join)
 
     def test_lost_chunk_fails_the_whole_map_and_imap_at_its_position(self, ctx):
         slots = mpr.zeros_shared((1,), np.int64)
         with mpr.Pool(2, context=ctx) as pool:
             whole = pool.starmap_async(T.square_or_block, [(x, slots) for x in range(8)], chunksize=1)
             os.kill(wait_for_pid(slots), signal.SIGKILL)
-            t0 = time.monotonic()
             with pytest.raises(mpr.WorkerLostError, match="task 3 of map"):
                 whole.get(5)
-            assert time.monotonic() - t0 < 1
 
             slots[0] = 0
             it = pool.imap(T.square_or_block_pair, [(x, slots) for x in range(6)])
@@ -128,8 +127,7 @@ class PoolSuite:
             slots[0] = 0
             blocked = pool.apply_async(T.pid_then_sleep, (slots, 0, 60))
             wait_for_pid(slots)
-            _, dt = timed(pool.terminate)
-            assert dt < 1
+            assert_prompt(pool.terminate)
             assert not blocked.ready()  # terminate() leaves unfinished results pending, as the stdlib does
 
     def test_sigkill_of_an_idle_worker_loses_nothing(self, ctx):
@@ -144,8 +142,7 @@ class PoolSuite:
             assert pool.map(T.square, range(50), chunksize=1) == [x * x for x in range(50)]
             assert victim not in pool.map(T.getpid, range(8), chunksize=1)
             pool.close()
-            _, dt = timed(pool.join)
-            assert dt < 1
+            assert_prompt(pool.join)
 
     def test_sigkill_while_unpickling_the_arguments_fails_the_task(self, ctx, tmp_path):
         path = tmp_path / "pid"  # the argument's rebuild writes the worker's pid there, then sleeps

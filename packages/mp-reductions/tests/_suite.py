@@ -118,10 +118,10 @@ class QueueSuite:
         q, out = mpr.Queue(), mpr.Queue()
         for _ in range(3):
             q.put(np.ones(100_000))
-        p = ctx.Process(target=_targets.get_and_report, args=(q, out))
+        p = ctx.Process(target=_targets.get_and_report, args=(q, out, 60))
         p.start()
         out.get(timeout=60)
-        os.kill(p.pid, signal.SIGKILL)
+        os.kill(p.pid, signal.SIGKILL)  # while it holds the array
         p.join(30)
         assert q.get(timeout=10).sum() == 100_000  # the others go on
         assert q.get(timeout=10).sum() == 100_000

@@ -69,10 +69,11 @@ def send_shared_many(q, n, strategy):
     q.join_thread()
 
 
-def get_and_report(q, out):
+def get_and_report(q, out, hold=0.0):
     mpr.init_reductions()
     x = q.get(timeout=30)
     out.put((os.getpid(), float(x.sum()), bool(mpr.is_shared(x))))
+    time.sleep(hold)  # still holding x
 
 
 def signal_and_sleep(ready):

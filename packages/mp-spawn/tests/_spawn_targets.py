@@ -167,18 +167,22 @@ def leave_non_daemon_thread_and_raise(i):
 
 
 class SlowToUnpickle:
-    """Unpickling takes ``seconds`` in the child (like a slow import)."""
+    """Unpickling takes ``seconds`` in the child (like a slow import); it writes its
+    (start, end) CLOCK_MONOTONIC window to a file in ``directory``."""
 
-    def __init__(self, seconds):
-        self.seconds = seconds
+    def __init__(self, seconds, directory):
+        self.seconds, self.directory = seconds, directory
 
     def __reduce__(self):
-        return (_slow_rebuild, (self.seconds,))
+        return (_slow_rebuild, (self.seconds, self.directory))
 
 
-def _slow_rebuild(seconds):
+def _slow_rebuild(seconds, directory):
+    start = time.monotonic()
     time.sleep(seconds)
-    return SlowToUnpickle(seconds)
+    with open(os.path.join(directory, str(os.getpid())), "w") as fh:
+        fh.write(f"{start} {time.monotonic()}")
+    return SlowToUnpickle(seconds, directory)
 
 
 def noop_with_args(i, *args):
