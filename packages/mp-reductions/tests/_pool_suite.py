@@ -186,7 +186,6 @@ class PoolSuite:
                 while len(shm_names(pids)) < len(arrays):
                     assert time.monotonic() < deadline, "the tasks were never put"
                     time.sleep(0.005)
-                time.sleep(0.05)  # the last one made is in the inqueue too
                 pool.terminate()  # drains the inqueue: the tasks' in-flight counts must be given back
             assert not blocked.ready() and not queued.ready()
             deadline = time.monotonic() + 5

@@ -137,6 +137,20 @@ def _recv_task(reader):
     return _split_task(*reader._recv())
 
 
+def _drain(inqueue) -> None:
+    """Take every task queued now, unpickling each so that the shared memory it names is given back."""
+    while True:
+        try:
+            _, body, fds = _split_task(*recv_raw(inqueue._reader._sock, socket.MSG_DONTWAIT))
+        except (EOFError, OSError):  # empty (BlockingIOError), or closed
+            return
+        try:
+            loads(body, fds)
+        except Exception:  # the worker would have made it the task's error; nobody waits for it now
+            pass
+        time.sleep(0)
+
+
 def _next_task(inqueue, dirty: bool):
     """The next task as _recv_task's; collect garbage first when no task comes within _IDLE_WAIT."""
     if dirty and not inqueue._reader.poll(_IDLE_WAIT):
@@ -280,21 +294,20 @@ class Pool(mp_pool.Pool):
 
         The stdlib drains only while the task handler lives, which ends as soon as the worker handler's
         does: what it leaves queued would hold its segments until the group ends. This drains all that is
-        queued, sentinels too (the workers are terminated next); a task whose put was under way when the
-        queue was found empty is still left. Reads do not block: the workers read the inqueue meanwhile.
+        queued, sentinels too (the workers are terminated next), and _terminate_pool drains once more when
+        the task handler has ended, for a task whose put was under way. The read lock stays held, as in
+        the stdlib: no worker takes a task from now on.
         """
         util.debug("removing tasks from inqueue")
         inqueue._rlock.acquire()
-        while True:
-            try:
-                _, body, fds = _split_task(*recv_raw(inqueue._reader._sock, socket.MSG_DONTWAIT))
-            except (EOFError, OSError):  # empty (BlockingIOError), or closed
-                break
-            try:
-                loads(body, fds)
-            except Exception:  # the worker would have made it the task's error; nobody waits for it now
-                pass
-            time.sleep(0)
+        _drain(inqueue)
+
+    @classmethod
+    def _terminate_pool(cls, taskqueue, inqueue, outqueue, pool, change_notifier, worker_handler, task_handler,
+                        result_handler, cache):
+        super()._terminate_pool(taskqueue, inqueue, outqueue, pool, change_notifier, worker_handler,
+                                task_handler, result_handler, cache)
+        _drain(inqueue)  # the task handler has been joined: what it put after the first drain
 
     @staticmethod
     def _repopulate_pool_static(ctx, Process, processes, pool, inqueue, outqueue, initializer, initargs,

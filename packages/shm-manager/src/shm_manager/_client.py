@@ -131,13 +131,9 @@ def release(name: str, dir: str | os.PathLike | None = None) -> bool:
             if c.sock is None or not n:
                 return False
             c.pending += _frame(b"X", d, name)
-            _drain(c)
             # the daemon must see the release soon (it unlinks at zero): a full socket
             # waits for it a little, rather than holding the frame until the next call
-            deadline = time.monotonic() + 1.0
-            while c.sock is not None and c.pending and time.monotonic() < deadline:
-                select.select([], [c.sock], [], 0.05)
-                _drain(c)
+            _send_pending(c, 1.0)
             return True
     except Exception:
         return False
@@ -145,14 +141,19 @@ def release(name: str, dir: str | os.PathLike | None = None) -> bool:
 
 def flush(timeout: float = 1.0) -> bool:
     """Send what is buffered, waiting up to ``timeout``; True when nothing is left."""
-    deadline = time.monotonic() + timeout
     with _lock:
-        c = _conn
-        while c.sock is not None and c.pending and time.monotonic() < deadline:
-            _drain(c)
-            if c.pending:
-                time.sleep(0.001)
-        return not c.pending
+        return _send_pending(_conn, timeout)
+
+
+def _send_pending(c: _Conn, timeout: float) -> bool:
+    """Send what is buffered, waiting up to ``timeout`` for room in the socket; True when nothing is left.
+    Under _lock."""
+    deadline = time.monotonic() + timeout
+    _drain(c)
+    while c.sock is not None and c.pending and time.monotonic() < deadline:
+        select.select([], [c.sock], [], 0.05)
+        _drain(c)
+    return not c.pending
 
 
 def daemon_pid() -> int | None:
