@@ -19,7 +19,9 @@ import logging
 import multiprocessing
 import os
 import pickle
+import pty
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -124,6 +126,27 @@ def kill_all(pids):
     for pid in pids:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
+
+
+def announced_descendants(directory, count: int) -> dict[int, int]:
+    """{pid: start time} of the grandchildren and great-grandchildren that ``count``
+    children of ``targets.popen_descendants`` announced."""
+    pattern = os.path.join(directory, "descendants-*.json")
+    wait_for(lambda: len(glob.glob(pattern)) == count, what=f"{count} children to announce their descendants")
+    started = {}
+    for path in glob.glob(pattern):
+        with open(path) as fh:
+            for pid in json.load(fh):
+                state = proc_state(int(pid))
+                assert state is not None, f"descendant {pid} died before the test began"
+                started[int(pid)] = state[1]
+    assert len(started) == 2 * count
+    return started
+
+
+def kill_survivors(started: dict[int, int]) -> None:
+    """SIGKILL those of ``started`` still alive (and still the same processes)."""
+    kill_all(pid for pid, start in started.items() if alive(pid, start))
 
 
 class SpawnSuite:
@@ -338,6 +361,93 @@ class SpawnSuite:
             driver.kill()
             driver.wait(timeout=WAIT_S)
             kill_all(everyone)
+
+    def test_parent_sigkill_leaves_no_popen_descendant(self, tmp_path):
+        # Grandchildren and great-grandchildren started with subprocess.Popen,
+        # which neither PR_SET_PDEATHSIG nor any watchdog of ours was set in.
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
+        code = f"import _spawn_targets as t; t.popen_driver({str(tmp_path)!r}, {self.start_method!r}, 2)"
+        driver = subprocess.Popen([sys.executable, "-c", code], env=env)
+        started: dict[int, int] = {}
+        try:
+            started = announced_descendants(tmp_path, 2)
+            driver.kill()
+            driver.wait(timeout=WAIT_S)
+            assert still_alive_after(started, DEATH_DEADLINE_S) == []
+        finally:
+            driver.kill()
+            driver.wait(timeout=WAIT_S)
+            kill_survivors(started)
+
+    @pytest.mark.parametrize("then", ["return", "raise"])
+    def test_popen_descendants_die_with_their_child(self, tmp_path, then, no_leftover_children):
+        # "return": both children return; "raise": process 0 raises and
+        # process 1 is terminated by the supervisor.
+        ctx = self.start(targets.popen_descendants, args=(str(tmp_path), then), nprocs=2, join=False)
+        started: dict[int, int] = {}
+        try:
+            started = announced_descendants(tmp_path, 2)
+            (tmp_path / "go").touch()
+            if then == "raise":
+                with pytest.raises(ProcessRaisedException, match="failed, leaving descendants"):
+                    join_within(ctx)
+            else:
+                join_within(ctx)
+            assert still_alive_after(started, DEATH_DEADLINE_S) == []
+        finally:
+            kill_survivors(started)
+
+    def test_resource_tracker_outlives_the_group(self, tmp_path):
+        # A fork child with no resource tracker to inherit starts its own, in
+        # its process group; the group reaper must let it clean up. (spawn and
+        # forkserver children use the supervisor's.)
+        name = f"mp_spawn_test_{os.getpid()}_{tmp_path.name}"
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
+        code = f"import _spawn_targets as t; t.shared_memory_driver({name!r}, {self.start_method!r})"
+        driver = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True)
+        try:
+            _, stderr = driver.communicate(timeout=WAIT_S)
+            assert driver.returncode == 0, stderr
+            wait_for(lambda: not os.path.exists(f"/dev/shm/{name}"), what="the resource tracker to unlink the segment")
+        finally:
+            driver.kill()
+            driver.wait(timeout=WAIT_S)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/{name}")
+
+    def test_ctrl_c_reaches_children_and_descendants(self, tmp_path):
+        # On a terminal, `while not ctx.join(...)` and Ctrl-C: the children lead
+        # sessions of their own, so only the supervisor gets the terminal's
+        # SIGINT; unless join relays it, the program hangs at exit joining them.
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
+        code = f"import _spawn_targets as t; t.ctrl_c_driver({str(tmp_path)!r}, {self.start_method!r})"
+        master, slave = pty.openpty()
+        driver = subprocess.Popen(
+            [sys.executable, "-c", code], stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True
+        )
+        os.close(slave)
+        started: dict[int, int] = {}
+        output = b""
+        try:
+            started = announced_descendants(tmp_path, 2)
+            os.write(master, b"\x03")
+            deadline = time.monotonic() + WAIT_S
+            while driver.poll() is None and time.monotonic() < deadline:
+                if select.select([master], [], [], 0.1)[0]:
+                    try:
+                        output += os.read(master, 65536)
+                    except OSError:  # EIO: the terminal's last user is gone
+                        break
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                driver.wait(timeout=max(0.1, deadline - time.monotonic()))
+            assert driver.returncode == -signal.SIGINT, f"{driver.returncode=}\n{output.decode(errors='replace')}"
+            assert b"KeyboardInterrupt" in output
+            assert still_alive_after(started, DEATH_DEADLINE_S) == []
+        finally:
+            driver.kill()
+            driver.wait(timeout=WAIT_S)
+            os.close(master)
+            kill_survivors(started)
 
     def test_interrupted_join_terminates_children(self):
         with pytest.raises(JoinTimeout):

@@ -10,6 +10,7 @@ import json
 import os
 import random
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -246,3 +247,64 @@ def watchdog_child(parent_pid, parent_start):
     _deathsig.start_watchdog(parent_pid, parent_start)
     print("armed", flush=True)
     time.sleep(LONG_SLEEP_S)
+
+
+# --- descendants spawn does not know about (subprocess.Popen) ---
+
+# The grandchild: a Python that starts a great-grandchild (sleep), announces
+# both pids in the file named by argv[1], then waits.
+_GRANDCHILD = f"""
+import json, os, subprocess, sys, time
+sleeper = subprocess.Popen(["sleep", "{LONG_SLEEP_S:.0f}"])
+with open(sys.argv[1] + ".tmp", "w") as fh:
+    json.dump([os.getpid(), sleeper.pid], fh)
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep({LONG_SLEEP_S})
+"""
+
+
+def popen_descendants(i, directory, then):
+    """Start a grandchild and a great-grandchild with Popen, then ``then``: ``"wait"`` (until
+    killed), or once the test says go, ``"return"`` or ``"raise"`` (process 0 raises, the others
+    wait to be terminated)."""
+    path = os.path.join(directory, f"descendants-{i}.json")
+    subprocess.Popen([sys.executable, "-c", _GRANDCHILD, path])
+    deadline = time.monotonic() + LONG_SLEEP_S
+    while then != "wait" and not os.path.exists(os.path.join(directory, "go")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if then == "raise" and i == 0:
+        raise ValueError("failed, leaving descendants")
+    if then != "return":
+        infinite(i)
+
+
+def popen_driver(directory, start_method, nprocs):
+    """The main of a separate program: children that start descendants with Popen, then wait."""
+    mp_spawn.start_processes(
+        popen_descendants, args=(directory, "wait"), nprocs=nprocs, join=True, start_method=start_method
+    )
+
+
+def leave_shared_memory(i, name):
+    """Create a named segment and exit without unlinking it: the resource tracker's job."""
+    from multiprocessing import shared_memory
+
+    shared_memory.SharedMemory(name=name, create=True, size=4096).close()
+
+
+def shared_memory_driver(name, start_method):
+    """The main of a separate program, whose fork children start a resource tracker of their own."""
+    mp_spawn.start_processes(leave_shared_memory, args=(name,), nprocs=1, join=True, start_method=start_method)
+
+
+def ctrl_c_driver(directory, start_method):
+    """The main of a separate program on a terminal (stdin): torch's join loop, for Ctrl-C to interrupt."""
+    import fcntl
+    import termios
+
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)  # we lead a new session: the terminal becomes ours
+    ctx = mp_spawn.start_processes(
+        popen_descendants, args=(directory, "wait"), nprocs=2, join=False, start_method=start_method
+    )
+    while not ctx.join(timeout=1.0):
+        pass

@@ -12,6 +12,9 @@ import multiprocessing  # noqa: E402
 
 import pytest  # noqa: E402
 
+# The shared suite is a plain module: have pytest explain its failed asserts too.
+pytest.register_assert_rewrite("_spawn_suite")
+
 
 @pytest.fixture
 def no_leftover_children():

@@ -1,4 +1,4 @@
-"""Start-method independent tests: public API, exception pickling, the watchdog."""
+"""Start-method independent tests: public API, exception pickling, the watchdog, the group reaper."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from mp_spawn import (
     ProcessExitedException,
     ProcessRaisedException,
     SpawnContext,
+    _deathsig,
 )
 
 
@@ -173,3 +174,35 @@ def test_watchdog_kills_grandchildren_too():
             proc.wait(timeout=WAIT_S)
         if grandchild is not None and alive(grandchild):
             os.kill(grandchild, signal.SIGKILL)
+
+
+# --- the group reaper alone
+
+
+def test_group_reaper_ends_the_group_sigkill_for_those_that_ignore_sigterm():
+    # A process that leads a session with a reaper exits normally; what it
+    # started dies with it: SIGTERM first, SIGKILL for what ignores SIGTERM.
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(60)"
+    code = (
+        "import os, subprocess, sys\n"
+        "from mp_spawn import _deathsig\n"
+        "_deathsig.start_group_reaper()\n"
+        "(reaper,) = _deathsig.descendants(os.getpid())\n"
+        f"g = subprocess.Popen([sys.executable, '-c', {stubborn!r}], stdout=subprocess.PIPE)\n"
+        "g.stdout.readline()\n"  # SIGTERM is ignored from here on
+        "print(reaper, g.pid, flush=True)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    started: dict[int, int] = {}
+    try:
+        pids = [int(pid) for pid in child.stdout.readline().split()]
+        started = {pid: proc_state(pid)[1] for pid in pids}
+        assert len(started) == 2
+        assert child.wait(timeout=WAIT_S) == 0
+        assert still_alive_after(started, _deathsig._GROUP_GRACE_S + DEATH_DEADLINE_S) == []
+    finally:
+        child.kill()
+        child.wait(timeout=WAIT_S)
+        for pid, start in started.items():
+            if alive(pid, start):
+                os.kill(pid, signal.SIGKILL)

@@ -1,4 +1,4 @@
-"""Children die with their supervisor: PR_SET_PDEATHSIG plus a watchdog.
+"""Children die with their supervisor (PR_SET_PDEATHSIG plus a watchdog), their process groups with them.
 
 torch sets ``PR_SET_PDEATHSIG`` (to SIGINT) in each child and stops there.
 That alone misses three cases, which this module covers:
@@ -29,12 +29,64 @@ descendants and then itself::
 Each level of nesting does the same for its own children, so killing any
 process kills everything below it.
 
+What the child starts without us (``subprocess.Popen``, ``os.fork``) has no
+death signal and no watchdog, and PR_SET_PDEATHSIG kills the child before its
+watchdog can look for it.  So each child also leads its own session, and so
+its own process group (torchrun starts its workers so too), and starts a
+*group reaper* in it: a small process (this module, run as a script) that ends
+the group once the child is gone, however it went::
+
+    child C (pgid C)              reaper R (pgid C)           C's descendants (pgid C)
+    ----------------              -----------------           ------------------------
+    setsid()
+    posix_spawn R  --exec----->   poll(pidfd(C))
+    fn(i, *args)  --Popen, fork, multiprocessing, shells--->  ...
+        ... C ends: SIGKILL (its supervisor died), SIGTERM (spawn
+            terminates it), an exception, a return ...
+                                  killpg(C, SIGTERM) -------> most exit; cleanup daemons
+                                  wait <= 1 s for them          (resource tracker) ignore
+                                  killpg(C, SIGKILL) -------> it, clean up and exit;
+                                                              the rest are killed, R too
+
 Note [pid reuse]
 ~~~~~~~~~~~~~~~~
 A pid alone names a process only while it lives.  The supervisor sends its pid
 *and* its start time (field 22 of ``/proc/<pid>/stat``); the child opens the
 pidfd first and then checks the start time, so a pid recycled between the
-supervisor's death and ``pidfd_open`` is recognised as a stranger.
+supervisor's death and ``pidfd_open`` is recognised as a stranger.  The group
+reaper watches its child the same way.
+
+Note [process groups]
+~~~~~~~~~~~~~~~~~~~~~
+Invariant: the group reaper is a member of its child's process group from
+before ``fn`` runs until it sends the group SIGKILL.  A process group's id is
+not handed out again while the group has a member, so ``killpg(C)`` from the
+reaper reaches C's group and no one else's, even after C is dead and its pid
+recycled.  The reaper ignores SIGINT, SIGTERM and SIGHUP, so signals meant for
+the group (``killpg`` in user code, its own SIGTERM) do not take it away first.
+
+Covered: everything the child starts that stays in its process group
+(``subprocess.Popen``, ``os.fork``, ``multiprocessing`` pools and managers,
+shells and their pipelines), at any depth, however the child ends.  Nested
+spawns lead groups of their own, with reapers of their own.
+
+Not covered (best effort): a descendant that leaves the group (``setsid``,
+``setpgid``, ``start_new_session=True``; daemons do) survives, unless the
+watchdog's scan of the child's process tree finds it first, which happens
+only when the watchdog, not PR_SET_PDEATHSIG, ends the child, and only while
+the descendant is still below the child.  A reaper killed by someone else
+kills nothing.
+
+The price of a session of its own: the child has no controlling terminal, so
+what the terminal sends (Ctrl-C, Ctrl-Z, Ctrl-\\, hangup) reaches only the
+supervisor.  ``ProcessContext.join`` relays a KeyboardInterrupt to the
+children's groups as SIGINT, which is what the terminal did when they shared
+the supervisor's group; Ctrl-Z stops the supervisor alone.  ``/dev/tty``
+cannot be opened in a child.  A new session rather than only a new group: as
+the terminal is not the child's controlling terminal, a child that reads from
+it (``open("/dev/stdin")``, a debugger say) or sets its modes is not stopped by
+SIGTTIN or SIGTTOU, as a background job would be.  And a child, a session
+leader, cannot call ``setsid`` or ``setpgid`` itself (EPERM).
 """
 
 from __future__ import annotations
@@ -44,9 +96,14 @@ import select
 import signal
 import sys
 import threading
+import time
+import warnings
 
 PR_SET_PDEATHSIG = 1
 _POLL_INTERVAL_S = 0.2
+# How long the group reaper lets a dead child's group handle SIGTERM before it sends SIGKILL.
+_GROUP_GRACE_S = 1.0
+_GROUP_POLL_INTERVAL_S = 0.05
 
 
 def _stat_fields(pid: int) -> list[str] | None:
@@ -108,20 +165,26 @@ def set_pdeathsig(signum: int = signal.SIGKILL) -> bool:
     return _prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0
 
 
-def descendants(root: int) -> list[int]:
-    """Pids of ``root``'s descendants, deepest first, from one scan of /proc."""
-    children: dict[int, list[int]] = {}
+def _scan() -> dict[int, list[str]]:
+    """Fields 3.. of /proc/<pid>/stat of every process, from one scan of /proc."""
     try:
         entries = os.listdir("/proc")
     except OSError:
-        return []
+        return {}
+    found = {}
     for name in entries:
-        if not name.isdigit():
-            continue
-        fields = _stat_fields(int(name))
-        if fields is None or len(fields) < 2:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(name))
+        if name.isdigit():
+            fields = _stat_fields(int(name))
+            if fields is not None and len(fields) >= 3:
+                found[int(name)] = fields
+    return found
+
+
+def descendants(root: int) -> list[int]:
+    """Pids of ``root``'s descendants, deepest first, from one scan of /proc."""
+    children: dict[int, list[int]] = {}
+    for pid, fields in _scan().items():
+        children.setdefault(int(fields[1]), []).append(pid)
     order: list[int] = []
     stack = [root]
     while stack:
@@ -131,6 +194,14 @@ def descendants(root: int) -> list[int]:
             stack.append(child)
     order.reverse()
     return order
+
+
+def _others_in_group(pgid: int) -> bool:
+    """Whether a process other than this one runs in process group ``pgid`` (zombies do not count)."""
+    me = os.getpid()
+    return any(
+        int(fields[2]) == pgid and fields[0] not in ("Z", "X", "x") and pid != me for pid, fields in _scan().items()
+    )
 
 
 def _die() -> None:
@@ -144,23 +215,42 @@ def _die() -> None:
     os.kill(me, signal.SIGKILL)
 
 
-def _watch(fd: int | None, pid: int, started: int | None) -> None:
-    """The watchdog thread's body: return only by killing this process tree."""
+def _open_pidfd(pid: int, started: int | None) -> int | None:
+    """A pidfd of ``pid``, None where there are none (old kernel, seccomp: poll /proc instead).
+
+    Raises ProcessLookupError when ``pid`` is gone or now names someone else:
+    the fd is opened first and the start time checked second (Note [pid reuse]).
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        raise
+    except (AttributeError, OSError):
+        fd = None
+    if not is_alive(pid, started):
+        if fd is not None:
+            os.close(fd)
+        raise ProcessLookupError(pid)
+    return fd
+
+
+def _wait_for_exit(fd: int | None, pid: int, started: int | None) -> None:
+    """Return once ``pid`` is gone: when ``fd``, its pidfd, turns readable, or by polling /proc."""
     if fd is not None:
         try:
-            while True:
-                readable, _, _ = select.select([fd], [], [])
-                # Readable means the process exited; check, in case user code
-                # closed our fd and the number now names something else.
-                if readable and not is_alive(pid, started):
-                    _die()
-                if readable:
-                    break
+            select.select([fd], [], [])
         except (OSError, ValueError):
             pass  # our fd was closed under us: fall back to polling
+    # Readable means the process exited; check, in case user code closed our
+    # fd and the number now names something else.
     stop = threading.Event()
     while is_alive(pid, started):
         stop.wait(_POLL_INTERVAL_S)
+
+
+def _watch(fd: int | None, pid: int, started: int | None) -> None:
+    """The watchdog thread's body: return only by killing this process tree."""
+    _wait_for_exit(fd, pid, started)
     _die()
 
 
@@ -171,23 +261,92 @@ def start_watchdog(parent_pid: int, parent_start: int | None) -> threading.Threa
     """
     fd = None
     try:
-        fd = os.pidfd_open(parent_pid)
+        fd = _open_pidfd(parent_pid, parent_start)
     except ProcessLookupError:
         _die()
-    except (AttributeError, OSError):
-        fd = None  # no pidfd (old kernel, seccomp): poll /proc instead
-    if parent_start is not None and not is_alive(parent_pid, parent_start):
-        _die()  # gone, or the pid now names someone else (Note [pid reuse])
     thread = threading.Thread(target=_watch, args=(fd, parent_pid, parent_start), name="mp_spawn-watchdog", daemon=True)
     thread.start()
     return thread
 
 
+def start_group_reaper() -> None:
+    """Lead a session and process group of our own, and start its reaper (Note [process groups])."""
+    me = os.getpid()
+    os.setsid()
+    # multiprocessing.set_executable() imports multiprocessing.spawn; unless
+    # it is imported, sys.executable is the answer (and a fork child does not
+    # pay 17 ms to import it).
+    spawn = sys.modules.get("multiprocessing.spawn")
+    executable = sys.executable if spawn is None else spawn.get_executable()
+    # -I: neither the environment nor this package's directory changes what
+    # the reaper imports; -S: it needs nothing from site-packages.
+    argv = [executable, "-I", "-S", os.path.abspath(__file__), str(me), str(start_time(me))]
+    try:
+        os.posix_spawn(executable, argv, os.environ, file_actions=_close_inheritable())
+    except OSError as exc:
+        warnings.warn(
+            f"mp_spawn: process {me} could not start its group reaper ({exc}), so what it starts may outlive it; "
+            f"point multiprocessing.set_executable() at a Python interpreter (now {executable!r})",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+def _close_inheritable() -> list[tuple[int, int]]:
+    """posix_spawn file actions that keep our inheritable fds from the reaper.
+
+    A spawn child inherits the write end of the pipe its parent's sentinel
+    reads: held by the reaper too, the child would look alive until the reaper
+    ends.  Likewise the resource tracker's pipe.
+    """
+    actions = []
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return actions  # no /proc: the reaper may hold them, a child's end may come late
+    for name in names:
+        try:
+            if int(name) > 2 and os.get_inheritable(int(name)):
+                actions.append((os.POSIX_SPAWN_CLOSE, int(name)))
+        except OSError:
+            pass  # the fd that listed the directory, closed since
+    return actions
+
+
+def _reap_group(leader: int, started: int | None) -> None:
+    """The group reaper's main: once ``leader`` is gone, end its process group, this process included.
+
+    SIGTERM first: cleanup daemons such as multiprocessing's resource tracker
+    ignore it and exit once the processes they serve are gone, having cleaned
+    up after them; then SIGKILL, after at most ``_GROUP_GRACE_S``.
+    """
+    if os.getpgid(0) != leader:
+        return  # not in the child's group: without the invariant of Note [process groups], kill nothing
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+    try:
+        fd = _open_pidfd(leader, started)
+    except ProcessLookupError:
+        pass  # gone already
+    else:
+        _wait_for_exit(fd, leader, started)
+    os.killpg(leader, signal.SIGTERM)
+    deadline = time.monotonic() + _GROUP_GRACE_S
+    while _others_in_group(leader) and time.monotonic() < deadline:
+        time.sleep(_GROUP_POLL_INTERVAL_S)
+    os.killpg(leader, signal.SIGKILL)
+
+
 def bind_to_parent(parent_pid: int, parent_start: int | None, expected_ppid: int | None) -> None:
-    """Make the calling child die with its supervisor (see the module docstring)."""
+    """Make the calling child, and what it starts, die with its supervisor (see the module docstring)."""
     if not sys.platform.startswith("linux"):  # pragma: no cover - the package refuses to import
         return
     set_pdeathsig(signal.SIGKILL)
     if expected_ppid is not None and os.getppid() != expected_ppid:
         _die()  # the forking parent died before prctl: the kernel will not tell us
+    start_group_reaper()
     start_watchdog(parent_pid, parent_start)
+
+
+if __name__ == "__main__":  # the group reaper: python -I -S _deathsig.py <leader pid> <its start time>
+    _reap_group(int(sys.argv[1]), int(sys.argv[2]) if sys.argv[2].isdigit() else None)

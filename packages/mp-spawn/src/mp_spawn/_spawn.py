@@ -4,7 +4,9 @@ Adapted from ``torch/multiprocessing/spawn.py`` (same API, same messages) on
 top of the stdlib ``multiprocessing`` contexts.  What changed:
 
 * children die with the supervisor (``_deathsig``: PR_SET_PDEATHSIG=SIGKILL
-  plus a watchdog), nested levels included;
+  plus a watchdog), nested levels included; each child leads a session of its
+  own, whose process group dies with it (what it started with Popen too), so
+  ``join`` relays Ctrl-C (KeyboardInterrupt) to the children as SIGINT;
 * spawn and forkserver children are started in parallel, one thread each;
 * the child reports every ``BaseException`` (KeyboardInterrupt included)
   through an error file (Note [error files, not pipes] in ``_errors``), and a
@@ -43,12 +45,14 @@ warn about threads on Python >= 3.12).
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -181,7 +185,11 @@ class ProcessContext:
             self._finish()
             return True
 
-        ready = multiprocessing.connection.wait(list(self.sentinels), timeout=timeout)
+        try:
+            ready = multiprocessing.connection.wait(list(self.sentinels), timeout=timeout)
+        except KeyboardInterrupt:
+            self._relay(signal.SIGINT)
+            raise
         failed = []
         for sentinel in ready:
             index = self.sentinels.pop(sentinel)
@@ -206,6 +214,19 @@ class ProcessContext:
         raise self._failure
 
     # -- internals
+
+    def _relay(self, signum: int) -> None:
+        """Send ``signum`` to the process group of every child not yet joined.
+
+        Each child leads a session of its own, so the terminal's Ctrl-C no
+        longer reaches it (Note [process groups] in ``_deathsig``).
+        """
+        for index in self.sentinels.values():
+            process = self.processes[index]
+            # Not reaped yet, so its pid, and the group named after it, are still its own.
+            if process.exitcode is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(process.pid, signum)
 
     def _reap(self, index: int) -> None:
         """Join a finished process and collect (then remove) its files."""
