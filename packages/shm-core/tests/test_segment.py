@@ -54,7 +54,7 @@ def test_named_segment_written_here_read_there(tmp_path):
             import numpy as np, shm_core
             s = shm_core.attach({seg.name!r}, {str(tmp_path)!r})
             print(s.ndarray((8,), np.int64).tolist())
-        """)
+        """, env=dict(os.environ, ARRAYMP_SHM_DIR=str(tmp_path)))
         assert out.strip() == str([7] * 8)
     finally:
         seg.unlink()
@@ -82,10 +82,12 @@ def test_exclusive_create(tmp_path):
     (b"NOTOURS!" + bytes(100), "bad magic"),
     (b"AR", "too short"),
 ])
-def test_foreign_or_truncated_file_is_refused(tmp_path, content, message):
-    (tmp_path / "x").write_bytes(content)
+def test_foreign_or_truncated_file_is_refused(tmp_path, monkeypatch, content, message):
+    monkeypatch.setenv("ARRAYMP_SHM_DIR", str(tmp_path))
+    name = shm_core.segment_name()
+    (tmp_path / name).write_bytes(content)
     with pytest.raises(shm_core.SegmentError, match=message):
-        shm_core.attach("x", tmp_path)
+        shm_core.attach(name, tmp_path)
 
 
 def test_size_mismatch_is_refused(tmp_path):
@@ -116,7 +118,8 @@ def test_atomic_increments_from_two_processes(tmp_path):
         for _ in range(1_000_000):
             add(64, 1)
     """
-    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)]) for _ in range(2)]
+    env = dict(os.environ, ARRAYMP_SHM_DIR=str(tmp_path))
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env) for _ in range(2)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     assert seg.load(64) == 2_000_000
     seg.unlink()

@@ -16,6 +16,7 @@ from ._native import Mapping, address
 from ._segment import (
     DEFAULT_PREFIX,
     HEADER_SIZE,
+    NAME_RE,
     REFCOUNT_OFFSET,
     USER_OFFSET,
     VIEWS_OFFSET,
@@ -35,6 +36,7 @@ from ._segment import (
 __all__ = [
     "DEFAULT_PREFIX",
     "HEADER_SIZE",
+    "NAME_RE",
     "REFCOUNT_OFFSET",
     "USER_OFFSET",
     "VIEWS_OFFSET",
@@ -54,4 +56,12 @@ __all__ = [
     "shm_dir",
     "unlink",
 ]
-__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # the version lives in pyproject.toml only, read on first use: importing stays fast
+    if name == "__version__":
+        from importlib.metadata import version
+
+        return version("shm-core")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

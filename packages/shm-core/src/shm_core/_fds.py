@@ -2,18 +2,47 @@
 
 Like ``socket.send_fds`` / ``socket.recv_fds``, but the receiver is told,
 instead of silently losing descriptors, when the message or its ancillary data
-did not fit (MSG_TRUNC / MSG_CTRUNC): every descriptor that did arrive is closed
-and OSError names the cause.
+did not fit (MSG_TRUNC / MSG_CTRUNC), and a receiver out of descriptors loses
+no message: see Note [descriptor headroom].
 """
 
 from __future__ import annotations
 
 import array
+import errno
 import functools
 import os
+import resource
 import socket
 
 _FD_SIZE = array.array("i").itemsize
+
+# Note [descriptor headroom]: the kernel installs a message's descriptors in
+# the receiver as it dequeues the message; those that do not fit under the
+# receiver's RLIMIT_NOFILE it drops and sets MSG_CTRUNC: the message is gone
+# (its segments with it, when the sender has let go). A receive with MSG_PEEK
+# installs them too (copies), but leaves the message queued. So recv_fds
+# first peeks, and dequeues only a message whose descriptors fit:
+#
+#   peek: descriptors installed, closed at once ── MSG_CTRUNC ──▶ OSError(EMFILE); the message stays queued
+#     │ they fit: at least that many numbers are free
+#   receive (MSG_DONTWAIT) ── EAGAIN: another reader took it ──▶ peek again
+#     │
+#   the message dequeued, with the descriptors this receive installed
+#
+# Several readers may share a socket (the consumers of one Queue, the threads
+# of one process), and another may dequeue between our peek and our receive.
+# The peek only measures: what recv_fds returns is always what its own receive
+# dequeued, with that receive's descriptors, so no message is returned twice,
+# and one that a reader peeked but another dequeued is the other's alone. A
+# reader short of descriptors leaves the message to the others or to its next
+# receive. One case no lock-free protocol closes (dequeue and install are one
+# system call, and no call dequeues a chosen message): the peeked message fit,
+# another reader took it, and the next one, dequeued in its place, carries more
+# descriptors than this reader has free (or another thread of this process
+# took them meanwhile). That message is lost, and OSError(EMFILE) says so (on
+# a stream socket, whose messages span several receives, the connection is
+# then out of step). The peek costs one more recvmsg per message (~1 us).
 
 
 def send_fds(sock: socket.socket, buffers, fds=(), flags: int = 0) -> int:
@@ -27,20 +56,59 @@ def _space(maxfds: int) -> int:
     return socket.CMSG_SPACE(maxfds * _FD_SIZE)
 
 
-def recv_fds(sock: socket.socket, bufsize: int, maxfds: int, flags: int = 0) -> tuple[bytes, list[int], int]:
-    """Receive one message: ``(data, fds, msg_flags)``; raises OSError on truncation."""
-    data, anc, msg_flags, _addr = sock.recvmsg(bufsize, _space(maxfds), flags)
-    if not anc and not msg_flags & socket.MSG_TRUNC:
-        return data, [], msg_flags
+def _fds(anc) -> list[int]:
     fds = array.array("i")
     for level, kind, payload in anc:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[: len(payload) - (len(payload) % _FD_SIZE)])
-    if msg_flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
-        for fd in fds:
-            os.close(fd)
-        what = "descriptors" if msg_flags & socket.MSG_CTRUNC else "bytes"
-        raise OSError(f"message truncated: more {what} arrived than the receive buffer holds "
-                      f"({bufsize} bytes, {maxfds} descriptors); if this says descriptors, "
-                      f"raise the open-files limit (ulimit -n)")
-    return data, list(fds), msg_flags
+    return list(fds)
+
+
+def _close(fds) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def recv_fds(sock: socket.socket, bufsize: int, maxfds: int, flags: int = 0) -> tuple[bytes, list[int], int]:
+    """Receive one message: ``(data, fds, msg_flags)``.
+
+    Raises OSError(EMFILE), the message left queued, when its descriptors do not
+    fit under this process's limit (Note [descriptor headroom]); OSError when it
+    has more than ``bufsize`` bytes or ``maxfds`` descriptors (it is dropped).
+    """
+    space = _space(maxfds + 1)  # one more: a message with too many is told apart from a receiver short of numbers
+    while True:
+        _, anc, msg_flags, _addr = sock.recvmsg(1, space, flags | socket.MSG_PEEK)
+        if anc or msg_flags & socket.MSG_CTRUNC:
+            peeked = _fds(anc)
+            _close(peeked)
+            if msg_flags & socket.MSG_CTRUNC and len(peeked) <= maxfds:
+                raise _out_of_descriptors("the message stays queued: the next receive returns it once they fit")
+        try:
+            data, anc, msg_flags, _addr = sock.recvmsg(bufsize, space, flags | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            if flags & socket.MSG_DONTWAIT:
+                raise
+            continue  # another reader took the message we peeked
+        fds = _fds(anc) if anc else []
+        if msg_flags & socket.MSG_CTRUNC and len(fds) <= maxfds:
+            _close(fds)
+            raise _out_of_descriptors("a message was lost: another reader took the one that fitted, or another "
+                                      "thread took descriptors meanwhile (Note [descriptor headroom], shm_core)")
+        if msg_flags & socket.MSG_TRUNC or len(fds) > maxfds:
+            _close(fds)
+            raise OSError(f"message dropped: larger than this channel's messages ({bufsize} bytes, {maxfds} "
+                          f"descriptors); only arraymp's own senders may write to it")
+        return data, fds, msg_flags
+
+
+def _out_of_descriptors(what: str) -> OSError:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        n = len(os.listdir("/proc/self/fd")) - 1  # less the one listing them
+    except OSError:  # not one number free
+        n = soft
+    return OSError(errno.EMFILE, f"too many open files to receive a message's descriptors: {n} are open and this "
+                                 f"process may open {soft} (RLIMIT_NOFILE); {what}. Raise the limit (ulimit -n, or "
+                                 f"resource.setrlimit(resource.RLIMIT_NOFILE, ...) up to the hard limit {hard}), or "
+                                 f"hold fewer descriptors: drop received arrays, send fewer segments per message")

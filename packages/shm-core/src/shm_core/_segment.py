@@ -15,7 +15,8 @@ directory, ``/dev/shm`` by default) that starts with a 64-byte header::
 
 Pages are reserved with posix_fallocate when the segment is created, so a full
 tmpfs raises ``SharedMemoryFullError`` at creation instead of SIGBUS on first
-touch. Attaching checks the header against the file before any byte is used.
+touch. Attaching checks the file and its header before anything is mapped
+(Note [untrusted handles]).
 
 Lifecycle (as ``multiprocessing.shared_memory``): ``close()`` per process,
 ``unlink()`` once; the mapping itself does not keep a file descriptor.
@@ -23,8 +24,13 @@ Lifecycle (as ``multiprocessing.shared_memory``): ``close()`` per process,
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import re
+import reprlib
 import secrets
+import stat
 import struct
 
 from . import _native
@@ -37,6 +43,38 @@ VIEWS_OFFSET = 48
 USER_OFFSET = 56
 DEFAULT_PREFIX = "arraymp_"
 _HEAD = struct.Struct("<8sIIQqQ")  # magic, version, flags, size, pid, id
+#: a segment name, as segment_name() makes it: ``<prefix><uid>_<group>_<pid>_<16 hex>``, the prefix empty or
+#: ending in a non-digit; letters, digits, '_' and '-' only (never '/' or '.'). The one definition: shm_manager
+#: may reuse it.
+NAME_RE = re.compile(r"(?P<prefix>(?:[A-Za-z0-9_-]{0,63}[A-Za-z_-])?)(?P<uid>[0-9]{1,10})_(?P<group>[0-9a-z]{1,32})"
+                     r"_(?P<pid>[0-9]{1,10})_[0-9a-f]{16}")
+
+# Note [untrusted handles]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# A handle (a name and directory, or a received descriptor) comes from another
+# process: it is untrusted input, and nothing it names is mapped before it is
+# checked, so a forged one raises SegmentError (PermissionError: another
+# user's file) in the receiver, never SIGBUS, SIGSEGV or a write elsewhere:
+#
+#  - a name must match NAME_RE (one path component, no '/', no '..'); the
+#    directory must be one this process trusts: its configured shm_dir(), or
+#    one it created segments in (_created_dirs), never any path from the wire;
+#  - the name is opened (and unlinked) relative to a descriptor of that
+#    directory, with O_NOFOLLOW: a symlink named like a segment is not
+#    followed; fstat then wants a regular file owned by our euid on the
+#    directory's filesystem;
+#  - the file (named or received) must be a regular file, its header read with
+#    pread must be ours and say exactly the file's length, and its allocated
+#    blocks must cover that length. The creators keep that invariant: _reserve
+#    allocates every page of every segment (fallocate, or zeros written on a
+#    filesystem without fallocate), so a sparse file is a forgery, one whose
+#    first touch would SIGBUS on a full tmpfs. We never map past the file's end.
+#
+# What no check can stop: a process that may write the file (our own uid, or
+# the sender of a memfd) shrinking it after we mapped it.
+_created_dirs: set[str] = set()
+_repr = reprlib.Repr()  # untrusted values in messages, cut at 200 characters
+_repr.maxstring = _repr.maxother = 200
 
 
 def shm_dir(dir: str | os.PathLike | None = None) -> str:
@@ -75,14 +113,25 @@ def _free_bytes(path: str) -> int | None:
 
 
 def _reserve(fd: int, length: int, where: str, free_path: str) -> None:
+    """Allocate every page of the file: receivers refuse sparse segments (Note [untrusted handles])."""
     try:
-        _native.fallocate(fd, length, where)
+        try:
+            _native.fallocate(fd, length, where)
+        except OSError as exc:
+            if exc.errno != errno.EOPNOTSUPP:  # else a filesystem without fallocate: write the zeros
+                raise
+            _write_zeros(fd, length)
     except OSError as exc:
-        if exc.errno in (28, 12):  # ENOSPC, ENOMEM
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM):
             raise SharedMemoryFullError(where, length - HEADER_SIZE, _free_bytes(free_path)) from None
-        if exc.errno not in (95,):  # EOPNOTSUPP: a filesystem without fallocate
-            raise
-        os.ftruncate(fd, length)
+        raise
+
+
+def _write_zeros(fd: int, length: int) -> None:
+    zeros = memoryview(bytes(min(length, 1 << 20)))
+    done = 0
+    while done < length:
+        done += os.pwrite(fd, zeros[:length - done], done)
 
 
 def segment_name(prefix: str = DEFAULT_PREFIX, group: str | None = None) -> str:
@@ -97,12 +146,74 @@ def segment_name(prefix: str = DEFAULT_PREFIX, group: str | None = None) -> str:
 
 def parse_name(name: str, prefix: str = DEFAULT_PREFIX) -> tuple[int, str, int] | None:
     """``(uid, group, pid)`` of a name made by :func:`segment_name`, else None."""
-    if not name.startswith(prefix):
+    m = NAME_RE.fullmatch(name)
+    if m is None or m["prefix"] != prefix:
         return None
-    parts = name[len(prefix):].split("_")
-    if len(parts) != 4 or not (parts[0].isdigit() and parts[2].isdigit()):
-        return None
-    return int(parts[0]), parts[1], int(parts[2])
+    return int(m["uid"]), m["group"], int(m["pid"])
+
+
+def _checked_name(name) -> str:
+    if not isinstance(name, str) or NAME_RE.fullmatch(name) is None:
+        raise SegmentError(f"{_repr.repr(name)} is not an arraymp segment name (<prefix><uid>_<group>_<pid>_<16 "
+                           "hex digits>, no '/' or '.'): the handle is forged or corrupted; segment names come "
+                           "from shm_core.segment_name()")
+    return name
+
+
+def _checked_dir(dir) -> str:
+    """``dir`` (normalized) when this process trusts it: its shm_dir(), or one it created segments in."""
+    here = os.path.normpath(shm_dir())
+    if dir is None:
+        return here
+    d = os.path.normpath(dir) if isinstance(dir, (str, os.PathLike)) else None
+    if d != here and d not in _created_dirs:
+        raise SegmentError(f"the handle names a segment in {_repr.repr(dir)}, but this process's segment "
+                           f"directories are {', '.join(sorted({here} | _created_dirs))}: set ARRAYMP_SHM_DIR to "
+                           "the same directory in every process (or the handle is forged)")
+    return d
+
+
+@contextlib.contextmanager
+def _dir_fd(d: str):
+    dfd = os.open(d, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield dfd
+    finally:
+        os.close(dfd)
+
+
+_NOT_FILES = {errno.ELOOP: "a symbolic link (not followed)", errno.EISDIR: "a directory",
+              errno.ENXIO: "a socket or device"}
+_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a pipe or FIFO", stat.S_IFSOCK: "a socket",
+          stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFLNK: "a symbolic link"}
+
+
+def _checked_length(fd: int, where: str, expected_size) -> int:
+    """The length of the segment file ``fd``, checked before anything is mapped (Note [untrusted handles])."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        kind = _KINDS.get(stat.S_IFMT(st.st_mode), "a special descriptor (eventfd, epoll, ...)")
+        raise SegmentError(f"{where} is {kind}, not a shared-memory segment file: the handle is forged or "
+                           "corrupted; send arrays through arraymp queues and pipes")
+    length = st.st_size
+    head = os.pread(fd, _HEAD.size, 0) if length >= HEADER_SIZE else b""
+    if len(head) < _HEAD.size:
+        raise SegmentError(f"{where}: {length} bytes is too short for a segment header (truncated or foreign file)")
+    magic, version, _flags, size, _pid, _id = _HEAD.unpack(head)
+    if magic != MAGIC:
+        raise SegmentError(f"{where}: bad magic {magic!r}; not an arraymp segment")
+    if version != VERSION:
+        raise SegmentError(f"{where}: segment format version {version}, this shm-core reads {VERSION}; "
+                           "use the same arraymp version in every process")
+    if size != length - HEADER_SIZE or (expected_size is not None and size != expected_size):
+        raise SegmentError(f"{where}: header says {size} data bytes but the file holds {length - HEADER_SIZE}"
+                           + ("" if expected_size is None else f" and the handle says {_repr.repr(expected_size)}")
+                           + " (truncated or corrupted)")
+    if st.st_blocks * 512 < length:
+        raise SegmentError(f"{where}: only {st.st_blocks * 512:,} of its {length:,} bytes are allocated, but every "
+                           "segment's pages are reserved when it is made: a forged or damaged sparse file (touching "
+                           "it could kill this process with SIGBUS); make segments with shm_core only")
+    return length
 
 
 class Segment(_native.Mapping):
@@ -123,30 +234,14 @@ class Segment(_native.Mapping):
     def __init__(self, fd: int, *, name: str | None = None, dir: str | None = None,
                  populate: bool = False, expected_size: int | None = None, fresh: bool = False):
         where = os.path.join(dir, name) if name else f"fd {fd}"
-        length = os.fstat(fd).st_size
-        if length < HEADER_SIZE:
-            raise SegmentError(f"{where}: {length} bytes is too short for a segment header (truncated or foreign file)")
+        # fresh: the creator reserved the pages and writes the header next, see _new()
+        length = os.fstat(fd).st_size if fresh else _checked_length(fd, where, expected_size)
         # The mapping is writable for the atomics even when arrays over it are
         # read-only: that promise is kept by the arrays.
         super().__init__(fd, length, data_offset=HEADER_SIZE, populate=populate,
                          readonly=False, views_offset=VIEWS_OFFSET)
         self.name, self.dir = name, dir
-        magic, version, _flags, size, pid, ident = _HEAD.unpack(self.read(0, _HEAD.size))
-        if fresh:  # the creator writes the header next, see _new()
-            pass
-        elif magic != MAGIC:
-            super().close()
-            raise SegmentError(f"{where}: bad magic {magic!r}; not an arraymp segment")
-        elif version != VERSION:
-            super().close()
-            raise SegmentError(f"{where}: segment format version {version}, this shm-core reads {VERSION}; "
-                               "use the same arraymp version in every process")
-        elif size != length - HEADER_SIZE or (expected_size is not None and size != expected_size):
-            super().close()
-            raise SegmentError(f"{where}: header says {size} data bytes but the file holds "
-                               f"{length - HEADER_SIZE}" + ("" if expected_size is None else
-                                                           f" and the handle says {expected_size}")
-                               + " (truncated or corrupted)")
+        _magic, _version, _flags, _size, pid, ident = _HEAD.unpack(self.read(0, _HEAD.size))
         self.size = length - HEADER_SIZE
         self.creator_pid = pid
         self.id = ident
@@ -269,30 +364,55 @@ def create_anonymous(size: int, *, populate: bool = False) -> Segment:
 
 def create(size: int, *, name: str | None = None, dir: str | os.PathLike | None = None,
            prefix: str = DEFAULT_PREFIX, populate: bool = False) -> Segment:
-    """A new named segment (mode 0600, created exclusively); unlink it once when done."""
-    dir = shm_dir(dir)
-    name = name or segment_name(prefix)
-    path = os.path.join(dir, name)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        return _new(fd, size, path, dir, populate, name=name, dir=dir)
-    except BaseException:
-        os.unlink(path)
-        raise
-    finally:
-        os.close(fd)
+    """A new named segment (mode 0600, created exclusively); unlink it once when done.
+
+    ``dir`` (default: shm_dir()) becomes a directory this process attaches segments in.
+    """
+    d = os.path.normpath(shm_dir(dir))
+    name = _checked_name(name or segment_name(prefix))
+    path = os.path.join(d, name)
+    with _dir_fd(d) as dfd:
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+        _created_dirs.add(d)
+        try:
+            return _new(fd, size, path, d, populate, name=name, dir=d)
+        except BaseException:
+            os.unlink(name, dir_fd=dfd)
+            raise
+        finally:
+            os.close(fd)
 
 
 def attach(name: str, dir: str | os.PathLike | None = None, *, expected_size: int | None = None,
            populate: bool = False) -> Segment:
-    """Map an existing named segment; raises FileNotFoundError or SegmentError."""
-    dir = shm_dir(dir)
-    path = os.path.join(dir, name)
-    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    try:
-        return Segment(fd, name=name, dir=dir, populate=populate, expected_size=expected_size)
-    finally:
-        os.close(fd)
+    """Map an existing named segment of this process's shm dir (Note [untrusted handles]).
+
+    Raises FileNotFoundError, SegmentError, or PermissionError (another user's file).
+    """
+    d, name = _checked_dir(dir), _checked_name(name)
+    path = os.path.join(d, name)
+    with _dir_fd(d) as dfd:
+        # O_NONBLOCK, O_NOCTTY: a FIFO or device planted under a segment name must not block us (or become
+        # our terminal) before fstat refuses it
+        try:
+            fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY, dir_fd=dfd)
+        except OSError as exc:
+            if exc.errno not in _NOT_FILES:
+                raise
+            raise SegmentError(f"{path} is {_NOT_FILES[exc.errno]}, not a segment file: the handle is forged, or "
+                               "something else was planted under a segment name (remove it)") from None
+        try:
+            st, dst = os.fstat(fd), os.fstat(dfd)
+            if st.st_uid != os.geteuid():
+                raise PermissionError(errno.EPERM, f"{path} belongs to uid {st.st_uid}, not to this process's uid "
+                                      f"{os.geteuid()}: another user's file under a segment name; it is not "
+                                      "mapped (remove it, or use the 'file_descriptor' strategy)", path)
+            if st.st_dev != dst.st_dev:
+                raise SegmentError(f"{path} is on another filesystem than {d} (a mount over a segment name): "
+                                   "not a segment; the handle is forged")
+            return Segment(fd, name=name, dir=d, populate=populate, expected_size=expected_size)
+        finally:
+            os.close(fd)
 
 
 def attach_fd(fd: int, *, expected_size: int | None = None, populate: bool = False) -> Segment:
@@ -301,5 +421,7 @@ def attach_fd(fd: int, *, expected_size: int | None = None, populate: bool = Fal
 
 
 def unlink(name: str, dir: str | os.PathLike | None = None) -> None:
-    """Remove a named segment's name."""
-    os.unlink(os.path.join(shm_dir(dir), name))
+    """Remove a named segment's name, inside a directory this process trusts (Note [untrusted handles])."""
+    d, name = _checked_dir(dir), _checked_name(name)
+    with _dir_fd(d) as dfd:
+        os.unlink(name, dir_fd=dfd)
