@@ -1,19 +1,39 @@
 """One test session per package, each installing only that package and what it
-declares (siblings from their folders, not editable); plus the facade, lint and
-bench. ``nox`` runs every test session; ``nox -l`` lists them."""
+declares (siblings from their folders, not editable); plus the facade, lint,
+release_check, bench and soak. ``nox`` runs every session but bench and soak;
+``nox -l`` lists them.
+
+Our packages depend on each other by name and version range, and none of the
+names is ours on a public index: every install here names the sibling folders
+on the command line (pip and uv then take those names from the folders and
+never ask an index for them), and release_check proves it."""
+
+import email.parser
+import pathlib
+import shutil
+import tarfile
+import zipfile
 
 import nox
 
 nox.options.default_venv_backend = "uv|virtualenv"
-nox.options.sessions = ["shm_core", "shm_manager", "mp_reductions", "shm_cuda", "mp_spawn", "facade", "lint"]
+nox.options.sessions = ["shm_core", "shm_manager", "mp_reductions", "shm_cuda", "mp_spawn", "mp_dask", "facade",
+                        "stdlib_suite", "lint", "release_check"]
 
+ROOT = pathlib.Path(__file__).parent
+FOLDERS = [f"packages/{name}" for name in ("shm-core", "shm-manager", "mp-reductions", "shm-cuda", "mp-spawn",
+                                           "mp-dask")]
 PKG = {
     "shm_core": ["packages/shm-core"],
     "shm_manager": ["packages/shm-core", "packages/shm-manager"],
-    "mp_reductions": ["packages/shm-core", "packages/shm-manager", "packages/mp-reductions"],
-    "shm_cuda": ["packages/shm-core", "packages/shm-cuda"],
+    "mp_reductions": ["packages/shm-core", "packages/shm-manager", "packages/mp-reductions", "hypothesis"],
+    "shm_cuda": ["packages/shm-core", "packages/shm-cuda[cuda12]"],  # cupy: its API is checked without a GPU
     "mp_spawn": ["packages/mp-spawn"],
+    "mp_dask": ["packages/shm-core", "packages/shm-manager", "packages/mp-reductions", "packages/mp-dask"],
+    "facade": [*FOLDERS, ".[cuda12]"],  # cupy: the lazy registration of its reducer is tested without a GPU
 }
+# What README.md's install needs from an index besides numpy: the build backends of our pyproject.toml files.
+BUILD_BACKENDS = ["hatchling", "scikit-build-core"]
 
 
 def _test(session: nox.Session, paths: list[str], tests: str) -> None:
@@ -47,8 +67,26 @@ def mp_spawn(session):
 
 
 @nox.session
+def mp_dask(session):
+    _test(session, PKG["mp_dask"], "packages/mp-dask/tests")
+
+
+@nox.session
 def facade(session):
-    _test(session, ["."], "tests")
+    _test(session, PKG["facade"], "tests")
+
+
+@nox.session
+def stdlib_suite(session):
+    """CPython's own multiprocessing tests (the interpreter's test._test_multiprocessing) with arraymp's Queue,
+    JoinableQueue, SimpleQueue, Pipe, Pool and get_context substituted, compared with the same tests on the stdlib,
+    under spawn, fork and forkserver: see stdlib_suite/run.py. ``nox -s stdlib_suite -- --all``: every class."""
+    missing = session.run("python", "-m", "stdlib_suite.run", "--missing", silent=True).strip()
+    if missing:
+        session.skip(missing)
+    session.install(*[f"packages/{name}" for name in ("shm-core", "shm-manager", "mp-reductions", "shm-cuda",
+                                                      "mp-spawn")], ".")
+    session.run("python", "-m", "stdlib_suite.run", *session.posargs)
 
 
 @nox.session
@@ -57,9 +95,98 @@ def lint(session):
     session.run("ruff", "check", ".")
 
 
+def _metadata(artifact: pathlib.Path) -> tuple[email.message.Message, list[str]]:
+    """(core metadata, member names) of a wheel or an sdist."""
+    if artifact.suffix == ".whl":
+        with zipfile.ZipFile(artifact) as z:
+            names = z.namelist()
+            text = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    else:
+        with tarfile.open(artifact) as t:
+            names = t.getnames()
+            pkg_info = next(n for n in names if n.count("/") == 1 and n.endswith("/PKG-INFO"))
+            text = t.extractfile(pkg_info).read().decode()
+    return email.parser.Parser().parsestr(text), names
+
+
+def _fresh_venv(session: nox.Session, name: str) -> str:
+    """A new venv made by the stdlib (with the pip a user has), outside nox's; returns its python."""
+    path = pathlib.Path(session.create_tmp()).resolve() / name
+    shutil.rmtree(path, ignore_errors=True)
+    session.run("python", "-m", "venv", str(path))
+    return str(path / "bin" / "python")
+
+
+@nox.session
+def release_check(session):
+    """Build every package's sdist and wheel into dist/ and check what would be published:
+    metadata (twine), a LICENSE in each, no direct reference in any Requires-Dist; install the
+    wheels from dist/ alone in a fresh venv (numpy from the index) and run the quick demo, and
+    mp-spawn alone. Then run README.md's install line with no index at all, only a folder of
+    numpy and the build backends: it fails if pip would ask an index for one of our names (or for
+    cupy); and check that the cuda12 extra resolves cupy."""
+    dist = ROOT / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    session.install("twine", "uv")  # uv in this venv: CI's may not be on PATH
+    for project in [*sorted(ROOT.glob("packages/*/pyproject.toml")), ROOT / "pyproject.toml"]:
+        session.run("uv", "build", "--quiet", "--out-dir", str(dist), str(project.parent))  # sdist, wheel from it
+    artifacts = sorted(dist.glob("*.whl")) + sorted(dist.glob("*.tar.gz"))
+    session.run("twine", "check", "--strict", *map(str, artifacts))
+    for artifact in artifacts:
+        meta, names = _metadata(artifact)
+        requires = meta.get_all("Requires-Dist") or []
+        direct = [r for r in requires if "@" in r or "file:" in r]
+        if direct:
+            session.error(f"{artifact.name} has direct references an index refuses: {direct}; depend on our "
+                          "packages by name and version range")
+        if meta["License-Expression"] != "MIT" or not any(n.endswith("/LICENSE") for n in names):
+            session.error(f"{artifact.name} lacks License-Expression: MIT or its LICENSE file; add "
+                          "license and license-files to its pyproject.toml")
+        session.log(f"{artifact.name}: {artifact.stat().st_size} bytes; Requires-Dist: {requires}")
+
+    py = _fresh_venv(session, "from-dist")
+    session.run(py, "-m", "pip", "install", "-q", "numpy", external=True)
+    session.run(py, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(dist), "arraymp",
+                external=True)
+    session.run(py, "-m", "arraymp", "--version", external=True)
+    session.run(py, "-m", "arraymp", "demo", "--quick", external=True)
+
+    py = _fresh_venv(session, "mp-spawn-alone")
+    session.run(py, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(dist), "mp-spawn",
+                external=True)
+    session.run(py, "-c", "import importlib.util, mp_spawn\n"
+                "assert importlib.util.find_spec('numpy') is None, 'mp-spawn pulled numpy'\n"
+                "mp_spawn.spawn(print, nprocs=2)", external=True)
+
+    py = _fresh_venv(session, "readme")
+    wheelhouse = pathlib.Path(session.create_tmp()).resolve() / "third-party"
+    session.run(py, "-m", "pip", "download", "-q", "-d", str(wheelhouse), "numpy", *BUILD_BACKENDS, external=True)
+    readme = (ROOT / "README.md").read_text().splitlines()
+    install = next(line for line in readme if line.startswith("python3 -m pip install") and "packages/" in line)
+    # the README's line as written, demo included, with the fresh venv's python3 first on PATH
+    session.run("bash", "-c", f'PATH="{pathlib.Path(py).parent}:$PATH"; {install}', external=True,
+                env={"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(wheelhouse)})
+
+    report = pathlib.Path(session.create_tmp()).resolve() / "cuda12.json"
+    session.run(py, "-m", "pip", "install", "-q", "--dry-run", "--report", str(report), *FOLDERS, ".[cuda12]",
+                external=True)
+    if '"cupy-cuda12x"' not in report.read_text():
+        session.error("arraymp[cuda12] does not resolve cupy-cuda12x; see the cuda12 extras of pyproject.toml "
+                      "and packages/shm-cuda/pyproject.toml")
+
+
 @nox.session
 def bench(session):
     """Benchmarks against the stdlib (and torch when installed): not part of plain ``nox``."""
-    session.install(".")
+    session.install(*FOLDERS, ".")
     for script in session.posargs or ["segment_alloc.py"]:
         session.run("python", f"benchmarks/{script}")
+
+
+@nox.session
+def soak(session):
+    """mp-reductions under load for ARRAYMP_SOAK_SECONDS (300): not part of plain ``nox``."""
+    session.install(*PKG["mp_reductions"], "pytest")
+    session.run("python", "-m", "pytest", "-o", "faulthandler_timeout=900", "packages/mp-reductions/tests/test_soak.py",
+                *session.posargs,
+                env={"ARRAYMP_SOAK_SECONDS": "300"})

@@ -23,3 +23,16 @@ def test_doctor_warns_about_small_shm(tmp_path):
         assert "WARNING" in out.stdout and "--shm-size" in out.stdout
     finally:
         subprocess.run(["umount", "--lazy", str(tmp_path)])
+
+
+def test_doctor_without_a_gpu_says_cpu_sharing_is_unaffected():
+    from shm_cuda import _cuda
+
+    if _cuda.driver_version() is not None:
+        import pytest
+
+        pytest.skip("an NVIDIA driver is here")
+    out = subprocess.run([sys.executable, "-m", "arraymp", "doctor"], capture_output=True, text=True, timeout=60)
+    cuda = next(line for line in out.stdout.splitlines() if "CUDA:" in line)
+    assert "no NVIDIA driver" in cuda and "GPU sharing unavailable; CPU sharing unaffected" in cuda, cuda
+    assert "insufficient" not in out.stdout and "all good" in out.stdout

@@ -1,4 +1,5 @@
 import multiprocessing
+import os
 import subprocess
 import sys
 from multiprocessing.reduction import ForkingPickler
@@ -111,3 +112,41 @@ def test_demo_quick_runs():
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert "speed-up" in out.stdout and "pipeline" in out.stdout and "pool" in out.stdout
+
+
+_IMPORT_ONLY = """
+import os, numpy as np
+import arraymp as mp
+d = os.environ["ARRAYMP_SHM_DIR"]
+seen = sorted(os.listdir(d)) if os.path.isdir(d) else None
+q = mp.Queue()  # the default strategy (file_descriptor) names nothing: it works whatever the shm dir
+q.put(np.arange(100_000.0))
+assert q.get().sum() == sum(range(100_000)) and mp.is_shared(mp.empty_shared(1000))
+try:
+    mp.set_sharing_strategy("file_system")  # the first use of the directory: it says what to do
+    mp.empty_shared(100_000)
+except OSError as exc:
+    print("error:", exc)
+print("seen:", seen)
+"""
+
+
+def test_import_leaves_nothing_in_the_shm_dir(tmp_path):
+    # issue 12: `import arraymp` wrote a lock file; only a named segment may touch the shm dir
+    env = {k: v for k, v in os.environ.items() if k != "ARRAYMP_GROUP"}
+    out = subprocess.run([sys.executable, "-c", _IMPORT_ONLY], capture_output=True, text=True, timeout=120,
+                         env=dict(env, ARRAYMP_SHM_DIR=str(tmp_path)))
+    assert out.returncode == 0, out.stderr
+    assert "seen: []" in out.stdout and "error:" not in out.stdout
+    assert [n for n in os.listdir(tmp_path) if not n.startswith(".")] == []  # the group ended: no segment,
+    assert set(os.listdir(tmp_path / f".arraymp-{os.getuid()}")) <= {"manager.log"}  # no lock, no socket
+
+
+def test_import_survives_a_bad_shm_dir_and_file_system_says_what_to_do():
+    # issue 12: ARRAYMP_SHM_DIR=/nonexistent/shm made `import arraymp` raise FileNotFoundError
+    env = {k: v for k, v in os.environ.items() if k != "ARRAYMP_GROUP"}
+    out = subprocess.run([sys.executable, "-c", _IMPORT_ONLY], capture_output=True, text=True, timeout=120,
+                         env=dict(env, ARRAYMP_SHM_DIR="/nonexistent/shm"))
+    assert out.returncode == 0, out.stderr
+    error = out.stdout.split("error:")[1]
+    assert "/nonexistent/shm" in error and "ARRAYMP_SHM_DIR" in error and "file_descriptor" in error

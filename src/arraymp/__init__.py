@@ -74,4 +74,20 @@ __all__ = [
     "start_processes",
     "zeros_shared",
 ]
-__version__ = "0.1.0"
+
+
+# multiprocessing's submodules under our name (ours where we have our own), imported on first use as the stdlib's are
+_SUBMODULES = {"connection", "managers", "pool", "queues", "shared_memory", "util"}
+
+
+def __getattr__(name):
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    # the version lives in pyproject.toml only, read on first use: importing stays fast
+    if name == "__version__":
+        from importlib.metadata import version
+
+        return version("arraymp")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,24 +1,56 @@
-"""``python -m arraymp``: doctor (machine report), demo (the main job), bench (queue transfer benchmark)."""
+"""arraymp's command line (the arraymp command, or python -m arraymp): doctor
+reports what this machine offers shared memory, demo runs the main job, bench
+benchmarks queue transfers."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+PACKAGES = ("shm-core", "shm-manager", "mp-reductions", "shm-cuda", "mp-spawn")
+EXTRAS = ("mp-dask",)  # listed when installed (arraymp[dask])
+
+
+def versions() -> str:
+    """arraymp's version and its packages' (each versioned alone), from the installed metadata."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = [f"{name} {version(name)}" for name in PACKAGES]
+    for name in EXTRAS:
+        try:
+            found.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            pass
+    return f"arraymp {version('arraymp')} ({', '.join(found)})"
+
+
+def _prog() -> str:
+    """The name the user ran us by, for usage lines."""
+    name = os.path.basename(sys.argv[0])
+    return "python -m arraymp" if name in ("__main__.py", "-c", "") else name
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m arraymp", description=__doc__)
+    prog = _prog()
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=versions())
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("doctor", help="report /dev/shm size and free space, ulimit -n, memfd, start method")
-    demo = sub.add_parser("demo", help="run a pipeline and a pool over real arrays, against plain pickling")
-    demo.add_argument("--quick", action="store_true", help="a quarter of the work")
+    sub.add_parser("doctor", help="report /dev/shm size and free space, ulimit -n, memfd, start method, CUDA")
+    demo = sub.add_parser("demo", help="run a pipeline and a pool over real arrays, against plain pickling (~10 s)")
+    scale = demo.add_mutually_exclusive_group()
+    scale.add_argument("--quick", dest="scale", action="store_const", const=0.25, default=1,
+                       help="a quarter of the work")
+    scale.add_argument("--full", dest="scale", action="store_const", const=4,
+                       help="four times the work, for steadier numbers")
     sub.add_parser("bench", help="queue transfer benchmark against the stdlib and torch (bench --help)",
                    add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         from ._bench import main as bench
 
-        return bench(rest)
+        return bench(rest, prog=f"{prog} bench")
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "doctor":
@@ -27,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         return doctor()
     from ._demo import main as demo_main
 
-    return demo_main(quick=args.quick)
+    return demo_main(args.scale)
 
 
 if __name__ == "__main__":

@@ -2,23 +2,23 @@
 
 Systems (each a long-lived spawn consumer, so imports are paid once):
 
-- ``arraymp``   arraymp's Queue (``--strategy``: file_descriptor, the default, or file_system)
-- ``stdlib``    multiprocessing's Queue with plain pickling (arraymp's reducer removed)
-- ``torch-fd``  torch.multiprocessing's Queue with tensors, file_descriptor strategy
-- ``torch-fs``  the same, file_system strategy (torch systems only when torch imports)
+  arraymp   arraymp's Queue (--strategy: file_descriptor, the default, or file_system)
+  stdlib    multiprocessing's Queue with plain pickling (arraymp's reducer removed)
+  torch-fd  torch.multiprocessing's Queue with tensors, file_descriptor strategy
+  torch-fs  the same, file_system strategy (torch systems only when torch imports)
 
-Workloads, for 4 KiB ... 256 MiB arrays, through a Queue(maxsize=2) (a steady stream):
+Workloads, for 4 KiB ... 256 MiB arrays (--sizes), through a Queue(maxsize=2) (a steady stream):
 
-- ``fresh``: an array that is not in shared memory, so each message moves its
-  bytes (torch: a new ``torch.from_numpy`` tensor each time, which torch copies
-  into shared memory once per message, as we do);
-- ``shared``: an array already in shared memory (torch: a tensor after
-  ``share_memory_()``), so only a handle travels;
-- ``ping-pong``: a 16-element array to the consumer and back, over Queue and Pipe.
+  fresh      an array that is not in shared memory, so each message moves its
+             bytes (torch: a new torch.from_numpy tensor each time, which torch
+             copies into shared memory once per message, as we do);
+  shared     an array already in shared memory (torch: a tensor after
+             share_memory_()), so only a handle travels;
+  ping-pong  a 16-element array to the consumer and back, over Queue and Pipe.
 
 The systems alternate within each repeat; medians of the repeats are printed
-with ratios. ``python -m arraymp bench --quick`` (or benchmarks/queue_transfer.py)
-for a short run.
+with ratios, throughput in GiB/s (2^30 bytes per second). --quick (or
+benchmarks/queue_transfer.py) for a short run.
 """
 
 from __future__ import annotations
@@ -33,6 +33,21 @@ from multiprocessing.reduction import ForkingPickler
 import numpy as np
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20]
+UNITS = {"GiB": 1 << 30, "MiB": 1 << 20, "KiB": 1 << 10, "B": 1, "": 1}  # longest suffix first
+
+
+def parse_sizes(text: str) -> list[int]:
+    """'4KiB,1MiB,256MiB' (or bytes: '4096,1048576') -> sizes in bytes."""
+    sizes = []
+    for item in text.split(","):
+        item = item.strip()
+        unit = next(u for u in UNITS if item.endswith(u))
+        number = item[:len(item) - len(unit)].strip()
+        if not number.isdigit() or int(number) * UNITS[unit] < 8:
+            raise argparse.ArgumentTypeError(f"{item!r} is not a size of at least 8 bytes; write sizes like "
+                                             "4KiB,1MiB,256MiB (units B, KiB, MiB, GiB) or in bytes")
+        sizes.append(int(number) * UNITS[unit])
+    return sizes
 
 
 def _plain_pickling():
@@ -229,12 +244,14 @@ def human(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m arraymp bench", description=__doc__,
+def main(argv: list[str] | None = None, prog: str = "python -m arraymp bench") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=SIZES)
+    parser.add_argument("--quick", action="store_true", help="fewer messages per size")
+    parser.add_argument("--repeat", type=int, default=3, help="repeats per workload; medians are printed")
+    parser.add_argument("--sizes", type=parse_sizes, default=SIZES,
+                        help="array sizes, comma-separated: 4KiB,1MiB,256MiB (units B, KiB, MiB, GiB; default "
+                             "4KiB,64KiB,1MiB,16MiB,256MiB)")
     parser.add_argument("--strategy", choices=["file_descriptor", "file_system"], default="file_descriptor",
                         help="arraymp's sharing strategy (the sender's)")
     args = parser.parse_args(argv)
@@ -270,22 +287,22 @@ def main(argv: list[str] | None = None) -> int:
             s.close()
     med = {k: statistics.median(v) for k, v in results.items()}
     cols = [n for n in names]
-    print(f"\nmessages/s (GB/s for fresh arrays), median of {args.repeat}; ratio = arraymp / other; "
+    print(f"\nmessages/s (and GiB/s for fresh arrays), median of {args.repeat}; ratio = arraymp / other; "
           f"arraymp's strategy: {args.strategy}")
-    print(f"{'workload':22}" + "".join(f"{c:>18}" for c in cols) + "".join(f"{'x ' + c:>12}" for c in cols[1:]))
+    print(f"{'workload':22}" + "".join(f"{c:>23}" for c in cols) + "".join(f"{'x ' + c:>12}" for c in cols[1:]))
     for shared in (False, True):
         for nbytes in args.sizes:
             row = f"{('shared ' if shared else 'fresh ') + human(nbytes):22}"
             for c in cols:
                 rate = med[(c, nbytes, shared)]
-                row += f"{rate:10.0f}/s {rate * nbytes / 1e9:5.2f}G" if not shared else f"{rate:16.0f}/s"
+                row += f"{rate:10.0f}/s {rate * nbytes / (1 << 30):5.2f} GiB/s" if not shared else f"{rate:21.0f}/s"
             for c in cols[1:]:
                 row += f"{med[('arraymp', nbytes, shared)] / med[(c, nbytes, shared)]:12.2f}"
             print(row)
     for pipe in (False, True):
         row = f"{'ping-pong ' + ('Pipe' if pipe else 'Queue'):22}"
         for c in cols:
-            row += f"{med[(c, 'pingpong', pipe)] * 1e6:15.0f} us"
+            row += f"{med[(c, 'pingpong', pipe)] * 1e6:20.0f} us"
         for c in cols[1:]:
             row += f"{med[('arraymp', 'pingpong', pipe)] / med[(c, 'pingpong', pipe)]:12.2f}"
         print(row + "   (latency: ratio < 1 is faster)")

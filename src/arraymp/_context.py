@@ -2,9 +2,11 @@
 and ``ProcessPoolExecutor`` over our context (adapts multiprocessing/context.py).
 
 Every factory is a lazy method, as in the stdlib; ``get_context(method)``
-returns our context for that start method. The default context follows the
-stdlib's start method, so ``arraymp.set_start_method`` and
-``multiprocessing.set_start_method`` are one setting, as in torch.multiprocessing.
+returns our context for that start method, and ``get_context("dask", ...)``
+mp-dask's context (imported on that call: the ``arraymp[dask]`` extra). The
+default context follows the stdlib's start method, so
+``arraymp.set_start_method`` and ``multiprocessing.set_start_method`` are one
+setting, as in torch.multiprocessing.
 """
 
 from __future__ import annotations
@@ -42,10 +44,32 @@ class _ArrayContext:
 
         return Pool(processes, initializer, initargs, maxtasksperchild, context=self.get_context())
 
-    def get_context(self, method=None):
+    def ProcessPoolExecutor(self, max_workers=None, initializer=None, initargs=(), max_tasks_per_child=None):
+        kw = {} if max_tasks_per_child is None else {"max_tasks_per_child": max_tasks_per_child}
+        return ProcessPoolExecutor(max_workers, self.get_context(), initializer, initargs, **kw)
+
+    def get_context(self, method=None, **kwargs):
         if method is None:
             return self
+        if method == "dask":
+            return _dask_context(**kwargs)
+        _no_options(method, kwargs)
         return _CONTEXTS[method] if method in _CONTEXTS else super().get_context(method)
+
+
+def _no_options(method, kwargs) -> None:
+    if kwargs:
+        raise TypeError(f"get_context({method!r}) takes no options ({', '.join(kwargs)}); only 'dask' does")
+
+
+def _dask_context(**kwargs):
+    """``get_context("dask", address=None, n_workers=None, threads_per_worker=1, same_node=True, **cluster_kwargs)``."""
+    try:
+        import mp_dask
+    except ImportError as exc:
+        raise ImportError(f"get_context('dask') needs the mp-dask package ({exc}); install it with "
+                          "`pip install 'arraymp[dask]'` (from a clone: `pip install packages/mp-dask`)") from exc
+    return mp_dask.get_context(**kwargs)
 
 
 class ForkContext(_ArrayContext, mpc.ForkContext):
@@ -68,9 +92,12 @@ class DefaultContext(_ArrayContext, mpc.BaseContext):
 
     Process = multiprocessing.Process
 
-    def get_context(self, method=None):
+    def get_context(self, method=None, **kwargs):
         if method is None:
             method = multiprocessing.get_start_method()
+        if method == "dask":
+            return _dask_context(**kwargs)
+        _no_options(method, kwargs)
         try:
             return _CONTEXTS[method]
         except KeyError:
@@ -107,4 +134,6 @@ class ProcessPoolExecutor(futures.ProcessPoolExecutor):
     """
 
     def __init__(self, max_workers=None, mp_context=None, initializer=None, initargs=(), **kwargs):
-        super().__init__(max_workers, mp_context or default_context.get_context(), initializer, initargs, **kwargs)
+        if mp_context is None:  # as the stdlib's: spawn when workers are replaced (max_tasks_per_child)
+            mp_context = default_context.get_context("spawn" if kwargs.get("max_tasks_per_child") is not None else None)
+        super().__init__(max_workers, mp_context, initializer, initargs, **kwargs)

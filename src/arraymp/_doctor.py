@@ -1,4 +1,4 @@
-"""``python -m arraymp doctor``: what this machine offers shared memory, and the fixes."""
+"""arraymp doctor: what this machine offers shared memory, and the fixes."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def report() -> tuple[list[str], list[str]]:
             if remove_ipc in ("yes", "true", "1", "on") else ""))
     lines.append(f"default start method: {multiprocessing.get_start_method(allow_none=True) or 'fork (unset)'}; "
                  f"available: {', '.join(multiprocessing.get_all_start_methods())}")
-    cuda_lines, cuda_warnings = shm_cuda.doctor_report()
+    cuda_lines, cuda_warnings = shm_cuda.doctor_report(extras_of="arraymp")
     return lines + cuda_lines, warnings + cuda_warnings
 
 

@@ -1,7 +1,9 @@
 """The cross-process suite, bound to a start method by test_queues_<method>.py."""
 
+import errno
 import os
 import signal
+import socket
 import time
 
 import _targets
@@ -146,3 +148,68 @@ class QueueSuite:
             assert not os.path.exists(f"/dev/shm/{name}")
         finally:
             mpr.set_sharing_strategy("file_descriptor")
+
+    @pytest.mark.parametrize("kind", ["Queue", "SimpleQueue", "Pipe"])
+    def test_receiver_short_of_descriptors_keeps_the_message(self, ctx, kind):
+        # 6 arrays of 128 KiB, one segment (one descriptor) each under the default strategy, file_descriptor;
+        # the child has 2 descriptors free
+        arrays = [mpr.zeros_shared((16384,), np.float64) for _ in range(6)]
+        for i, a in enumerate(arrays):
+            a[:] = i
+        out = mpr.Queue()
+        if kind == "Pipe":
+            chan, send_end = mpr.Pipe()
+            send_end.send(arrays)
+        else:
+            chan = getattr(mpr, kind)()
+            chan.put(arrays)
+        p = ctx.Process(target=_targets.receive_short_of_descriptors, args=(kind, chan, out))
+        p.start()
+        (code, message, limit), got = out.get(timeout=60)
+        p.join(30)
+        assert p.exitcode == 0
+        assert code == errno.EMFILE, message
+        assert f"{limit} (RLIMIT_NOFILE)" in message and "ulimit -n" in message, message
+        assert got == [(float(i), float(i), True) for i in range(6)], got  # the same message, whole
+        assert not (chan.poll(0) if kind == "Pipe" else not chan.empty())  # and only once
+        chan.close()
+        if kind == "Pipe":
+            send_end.close()
+
+    def test_reader_short_of_descriptors_leaves_the_message_to_another(self, ctx):
+        arrays = [mpr.zeros_shared((16384,), np.float64) for _ in range(6)]
+        for i, a in enumerate(arrays):
+            a[:] = i
+        q, out = mpr.Queue(), mpr.Queue()
+        q.put(arrays)
+        p = ctx.Process(target=_targets.receive_short_of_descriptors, args=("Queue", q, out, False))
+        p.start()
+        (code, message, _), _ = out.get(timeout=60)
+        p.join(30)
+        assert p.exitcode == 0
+        assert code == errno.EMFILE, message
+        got = q.get(timeout=10)  # this process, another reader of the same queue, gets it whole
+        assert [(a.min(), a.max()) for a in got] == [(i, i) for i in range(6)]
+        assert q.empty()
+
+    def test_default_socket_timeout_is_ignored(self, ctx):
+        # the stdlib's queues ignore socket.setdefaulttimeout(); so must ours, in the parent and in the child
+        socket.setdefaulttimeout(0.5)
+        try:
+            q, sq, inbox, out = mpr.Queue(), mpr.SimpleQueue(), mpr.Queue(), mpr.Queue()
+            a, b = mpr.Pipe()
+            p = ctx.Process(target=_targets.wait_under_default_timeout, args=(q, sq, inbox, out))
+            p.start()
+            inbox.put(b)
+            assert out.get(timeout=60) == "waiting"
+            for put in (lambda: a.send(np.ones(1000)), lambda: q.put(np.ones(100_000)), lambda: sq.put(np.ones(10))):
+                time.sleep(1)  # each receive in the child waits twice the default timeout (not a synchronization)
+                put()
+            got = out.get(timeout=60)
+            assert got == [1000.0, 100_000.0, 10.0], got
+            p.join(30)
+            assert p.exitcode == 0
+            for chan in (q, sq, inbox, out, a, b):
+                chan.close()
+        finally:
+            socket.setdefaulttimeout(None)

@@ -79,3 +79,67 @@ def get_and_report(q, out, hold=0.0):
 def signal_and_sleep(ready):
     ready.set()
     time.sleep(60)
+
+
+def _limit_free_descriptors(free):
+    """Lower this process's soft RLIMIT_NOFILE so that ``free`` descriptor numbers below it are unused (one more:
+    the one listing /proc/self/fd took)."""
+    import resource
+
+    used = {int(n) for n in os.listdir("/proc/self/fd")}
+    limit = 0
+    while free or limit in used:
+        free -= limit not in used
+        limit += 1
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    return limit
+
+
+def _receive(kind, chan):
+    if kind == "Queue":
+        return chan.get(timeout=30)
+    conn = chan if kind == "Pipe" else chan._reader
+    if not conn.poll(30):
+        raise TimeoutError("nothing to receive within 30 s")
+    return conn.recv()
+
+
+def receive_short_of_descriptors(kind, chan, out, again=True):
+    """Receive a message of several segments with 2 descriptors free, then (``again``) with the limit restored."""
+    import resource
+
+    mpr.init_reductions()
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = _limit_free_descriptors(1)
+    try:
+        _receive(kind, chan)
+    except OSError as e:
+        error = (e.errno, str(e), low)
+    except Exception as e:  # the truncation went unnoticed
+        error = (None, repr(e), low)
+    else:
+        error = (None, "no error", low)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, limit)
+    try:
+        arrays = _receive(kind, chan) if again else []
+    except Exception as e:
+        out.put((error, repr(e)))
+    else:
+        out.put((error, [(float(a.min()), float(a.max()), bool(mpr.is_shared(a))) for a in arrays]))
+
+
+def wait_under_default_timeout(q, sq, inbox, out):
+    """With socket.setdefaulttimeout(0.5): receive a Pipe end, then wait on it and on the inherited queues."""
+    import socket
+
+    socket.setdefaulttimeout(0.5)
+    mpr.init_reductions()
+    try:
+        conn = inbox.get(timeout=60)  # rebuilt here, under the default timeout
+        out.put("waiting")
+        got = [conn.recv(), q.get(), sq.get()]  # each arrives 1 s after the one before
+        out.put([float(a.sum()) for a in got])
+        conn.close()
+    except Exception as e:
+        out.put(repr(e))

@@ -39,9 +39,9 @@ def test_dtypes_roundtrip(dtype, kind, strategy):
     if kind == "shared":
         a = mpr.share_memory(a)
     b = roundtrip(a)
-    expected = pickle.loads(pickle.dumps(a)) if kind == "inline" else a  # inline: exactly as the stdlib
-    assert b.dtype == expected.dtype and b.shape == a.shape
-    assert b.tobytes() == expected.tobytes()
+    # every path keeps the dtype exactly, byte order included (numpy's own pickle of '>i4' gives '<i4')
+    assert b.dtype == a.dtype and b.dtype.str == a.dtype.str and b.shape == a.shape
+    assert b.tobytes() == a.tobytes()
     assert mpr.is_shared(b) == (kind != "inline")
 
 
@@ -174,16 +174,18 @@ class _FakeDup:
         return self.fd
 
 
-def test_wrong_size_and_missing_segment_raise_clearly(tmp_path):
+def test_wrong_size_and_missing_segment_raise_clearly(tmp_path, monkeypatch):
     x = mpr.share_memory(np.zeros(512))
     seg, _ = segment_of(x)
     with pytest.raises(shm_core.SegmentError, match="handle says"):
         rebuild_ndarray(("d", _FakeDup(os.dup(seg.fd))), seg.size + 8, 0, (1,), None, "f8", False)
+    monkeypatch.setenv("ARRAYMP_SHM_DIR", str(tmp_path))  # handles name segments in this process's shm dir only
     with pytest.raises(FileNotFoundError, match="no longer exists"):
-        rebuild_ndarray(("n", "arraymp_0_x_1_gone", str(tmp_path)), 8, 0, (1,), None, "f8", False)
-    (tmp_path / "foreign").write_bytes(b"x" * 200)
+        rebuild_ndarray(("n", shm_core.segment_name(), str(tmp_path)), 8, 0, (1,), None, "f8", False)
+    foreign = shm_core.segment_name()
+    (tmp_path / foreign).write_bytes(b"x" * 200)
     with pytest.raises(shm_core.SegmentError, match="bad magic"):
-        rebuild_ndarray(("n", "foreign", str(tmp_path)), 136, 0, (1,), None, "f8", False)
+        rebuild_ndarray(("n", foreign, str(tmp_path)), 136, 0, (1,), None, "f8", False)
 
 
 def test_queue_api_like_stdlib():

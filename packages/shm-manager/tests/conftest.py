@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import pwd
+import secrets
 import select
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import textwrap
 import time
+import traceback
 
 import pytest
 
@@ -119,6 +125,17 @@ def env(tmp_path, monkeypatch):
 
 
 @pytest.fixture
+def shared_env(monkeypatch):
+    """A private segment directory in /dev/shm that every user may write into, as /dev/shm (1777, sticky)."""
+    d = tempfile.mkdtemp(prefix="arraymp-test-", dir="/dev/shm")
+    os.chmod(d, 0o1777)
+    try:
+        yield _actor_env(monkeypatch, d)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
 def real_env(monkeypatch):
     """The real /dev/shm."""
     return _actor_env(monkeypatch, None)
@@ -160,3 +177,87 @@ def exit_actor(a: Actor, timeout: float = 30) -> None:
     a.proc.stdin.write(b'{"op": "exit"}\n')
     a.proc.stdin.flush()
     assert a.proc.wait(timeout) == 0
+
+
+@pytest.fixture
+def other_user():
+    """``(uid, gid)`` of a second local user, made for the test and removed after it (needs root)."""
+    if os.geteuid() != 0 or shutil.which("useradd") is None:
+        pytest.skip("needs root and useradd to create a second local user")
+    name = f"arraymp_t{secrets.token_hex(3)}"
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name], check=True,
+                   capture_output=True, timeout=60)
+    try:
+        pw = pwd.getpwnam(name)
+        yield pw.pw_uid, pw.pw_gid
+    finally:  # userdel refuses while a process of the user runs (a daemon may still be on its way out)
+        deadline = time.monotonic() + 30
+        while subprocess.run(["userdel", name], capture_output=True, timeout=60).returncode != 0:
+            if time.monotonic() > deadline:
+                pytest.fail(f"cannot remove the test user {name}: a process of it still runs")
+            time.sleep(0.1)
+
+
+def as_user(user, fn, *args, keep: bool = False):
+    """``fn(*args)`` in a forked child running as ``user``: its result, and with ``keep`` also the child's pid
+    (the child then stays, e.g. holding what ``fn`` made, until the test kills it)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(user[1])
+            os.setuid(user[0])
+            out = ("ok", fn(*args))
+        except BaseException:
+            out = ("error", traceback.format_exc())
+        data = pickle.dumps(out)
+        os.write(w, len(data).to_bytes(8, "little") + data)
+        os.close(w)
+        while keep:
+            signal.pause()
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:  # a length first: what fn started may keep the pipe open
+        status, value = pickle.loads(f.read(int.from_bytes(f.read(8), "little")))
+    if not keep:
+        os.waitpid(pid, 0)
+    if status != "ok":
+        kill(pid)
+        raise AssertionError(f"as uid {user[0]}: {value}")
+    return (value, pid) if keep else value
+
+
+HOLDER = textwrap.dedent("""
+    import sys, time, shm_core, shm_manager
+    name, d = sys.argv[1], sys.argv[2]
+    seg = shm_core.attach(name, d)
+    seg.incref()
+    shm_manager.hold(name, d)
+    shm_manager.flush()
+    print("held", flush=True)
+    time.sleep(600)
+""")
+
+
+def killed_holder_is_released(env: dict, p: Actor) -> float:
+    """The actor ``p`` makes a segment, a second process of its group holds it, ``p`` lets go; the holder is
+    SIGKILLed: seconds until the segment is gone (the daemon gave the count back); fails after 2 s."""
+    d = env["ARRAYMP_SHM_DIR"]
+    g = p.call("group")["group"]
+    (name,) = p.call("create", n=1)["names"]
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, name, d], stdout=subprocess.PIPE, text=True,
+                              env=dict(env, ARRAYMP_GROUP=g))
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert p.call("drop", names=[name])["unlinked"] == []  # the holder's count keeps it
+        assert os.path.exists(os.path.join(d, name))
+        kill(holder.pid)
+        holder.wait(10)
+        return wait_until(lambda: not os.path.exists(os.path.join(d, name)), 2,
+                          "the daemon to give back the killed holder's count")
+    finally:
+        kill(holder.pid)
+        holder.wait(10)
+        holder.stdout.close()

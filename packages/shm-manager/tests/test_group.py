@@ -30,7 +30,7 @@ lock = os.path.join(shm_manager.runtime_dir(), g + ".lock")
 st = os.stat(shm_manager.runtime_dir())
 print(json.dumps({"g": g, "env": os.environ["ARRAYMP_GROUP"], "parsed": shm_core.parse_name(n),
                   "other": prefix, "state": [s for s in [__import__("shm_manager._paths").
-                  _paths.group_state(shm_manager.runtime_dir(), g)]][0], "mode": st.st_mode & 0o777,
+                  _paths.group_state([shm_manager.runtime_dir()], g)]][0], "mode": st.st_mode & 0o777,
                   "lock": os.path.exists(lock)}))
 """, env)
     out = json.loads(r.stdout)
@@ -106,25 +106,25 @@ def test_daemon_detached_ignores_signals_and_refuses_other_uids(env, actors):
     assert os.getsid(daemon) != os.getsid(p.pid) and os.getsid(daemon) == daemon
     ppid = int(open(f"/proc/{daemon}/stat").read().rsplit(")", 1)[1].split()[1])
     assert ppid != p.pid
-    assert len(os.listdir(f"/proc/{daemon}/fd")) <= 6  # stdio, listener, selector, one client
+    assert len(os.listdir(f"/proc/{daemon}/fd")) <= 7  # stdio, listener, selector, segment dir, one client
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         os.kill(daemon, sig)
     time.sleep(0.2)
     assert pid_alive(daemon)
 
-    addr = f"\0arraymp-manager.{os.getuid()}.{g}".encode()
+    sock = os.path.join(env["ARRAYMP_SHM_DIR"], f".arraymp-{os.getuid()}", g + ".sock")
+    assert os.path.exists(sock)
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # another user connects: the daemon closes the connection at once
+    if pid == 0:  # another user cannot even reach the socket (0700 runtime dir); see test_other_users for more
         try:
             os.setgid(65534)
             os.setuid(65534)
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.settimeout(5)
-            s.connect(addr)
-            s.sendall(b"x" * 8)
-            os.write(w, b"closed" if s.recv(10) == b"" else b"open")
-        except (ConnectionResetError, BrokenPipeError):  # closed before or with our bytes unread
+            s.connect(sock)
+            os.write(w, b"open")
+        except PermissionError:
             os.write(w, b"closed")
         except BaseException as exc:
             os.write(w, repr(exc).encode())
@@ -168,6 +168,62 @@ def test_linger_is_configurable(env, actors, linger):
 def test_daemon_frames_from_client_are_small(env):
     from shm_manager import _client
 
-    frame = _client._frame(b"R", "/dev/shm", "arraymp_0_gabc_1_" + "0" * 16)
+    frame = _client._frame(b"R", "arraymp_0_gabc_1_" + "0" * 16)
     (n,) = struct.unpack_from("<I", frame)
     assert n == len(frame) - 4 < 64 and socket.AF_UNIX
+
+
+def test_group_touches_no_file_until_the_first_named_segment(env):
+    d = env["ARRAYMP_SHM_DIR"]
+    _py("""
+import os, shm_manager
+d = os.environ["ARRAYMP_SHM_DIR"]
+g = shm_manager.group()
+shm_manager.join_group(g)
+assert os.listdir(d) == [], os.listdir(d)  # import arraymp calls group(): it leaves nothing in the shm dir
+name = shm_manager.new_name()
+assert os.listdir(os.path.join(d, f".arraymp-{os.getuid()}")) == [g + ".lock"]
+""", env)
+    assert os.listdir(os.path.join(d, f".arraymp-{os.getuid()}")) == []  # the group ended: its lock went too
+
+
+def test_a_bad_shm_dir_fails_at_the_first_named_segment_not_before(env):
+    r = _py("""
+import shm_manager
+g = shm_manager.group()
+shm_manager.register("arraymp_0_" + g + "_1_" + "0" * 16)  # never raises
+try:
+    shm_manager.new_name()
+except FileNotFoundError as exc:
+    print(exc)
+else:
+    raise AssertionError("no error")
+""", dict(env, ARRAYMP_SHM_DIR="/nonexistent/shm"))
+    assert "/nonexistent/shm" in r.stdout and "ARRAYMP_SHM_DIR" in r.stdout and "file_descriptor" in r.stdout
+
+
+@pytest.mark.parametrize("who", ["main", "child"])
+def test_a_group_whose_first_segment_failed_leaves_nothing(env, who):
+    d = env["ARRAYMP_SHM_DIR"]
+    _py(f"""
+import multiprocessing, shm_core, shm_manager
+
+def first_segment_fails():
+    name = shm_manager.new_name()  # a member now: the group's lock file is made
+    try:
+        shm_core.create(-1, name=name)  # the first allocation fails (as on a full tmpfs)
+    except ValueError:
+        pass
+
+if __name__ == "__main__":
+    shm_manager.group()
+    if {who!r} == "main":
+        first_segment_fails()
+    else:  # only a child (it leaves by os._exit) was ever a member
+        p = multiprocessing.get_context("fork").Process(target=first_segment_fails)
+        p.start()
+        p.join()
+        assert p.exitcode == 0
+""", env)
+    rdir = os.path.join(d, f".arraymp-{os.getuid()}")
+    assert os.listdir(rdir) == [] and [n for n in os.listdir(d) if not n.startswith(".")] == []

@@ -5,22 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 
 import shm_core
 import shm_manager
-from conftest import figure, kill, wait_until
-
-HOLDER = """
-import sys, time, shm_core, shm_manager
-name, d = sys.argv[1], sys.argv[2]
-seg = shm_core.attach(name, d)
-seg.incref()
-shm_manager.hold(name, d)
-shm_manager.flush()
-print("held", flush=True)
-time.sleep(600)
-"""
+from conftest import HOLDER, figure, kill, wait_until
 
 
 def test_a_killed_holder_gives_its_count_back(tmp_path, monkeypatch):
@@ -31,7 +19,7 @@ def test_a_killed_holder_gives_its_count_back(tmp_path, monkeypatch):
     shm_manager.register(seg.name, d)
     shm_manager.hold(seg.name, d)
     env = dict(os.environ, ARRAYMP_GROUP=shm_manager.group())
-    p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLDER), seg.name, d], stdout=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, seg.name, d], stdout=subprocess.PIPE,
                          text=True, env=env)
     try:
         assert p.stdout.readline().strip() == "held"
@@ -55,7 +43,7 @@ def test_last_holder_killed_unlinks(tmp_path, monkeypatch):
     shm_manager.register(seg.name, d)  # nobody here holds it: the in-flight count goes to the holder
     seg.incref()
     env = dict(os.environ, ARRAYMP_GROUP=shm_manager.group())
-    p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLDER.replace("seg.incref()\n", "")), seg.name, d],
+    p = subprocess.Popen([sys.executable, "-c", HOLDER.replace("seg.incref()\n", ""), seg.name, d],
                          stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert p.stdout.readline().strip() == "held"
@@ -65,3 +53,32 @@ def test_last_holder_killed_unlinks(tmp_path, monkeypatch):
     finally:
         kill(p.pid)
         seg.close()
+
+
+def test_a_holder_of_another_group_keeps_the_segment_past_its_group(env, actors):
+    """Note [Holds across groups]: a process of group B holds a segment of group A; A ends (normal exit of its
+    main process); the segment lives on while B's process holds it, and goes when that holder is SIGKILLed."""
+    from conftest import exit_actor
+
+    d = env["ARRAYMP_SHM_DIR"]
+    a = actors(env)
+    group_a = a.call("group")["group"]
+    (name,) = a.call("create", n=1)["names"]
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, name, d], stdout=subprocess.PIPE, text=True,
+                              env=env)  # no ARRAYMP_GROUP: a group of its own
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert a.call("drop", names=[name])["unlinked"] == []  # the holder's count keeps it
+        exit_actor(a)  # group A's only member ends: its exit and its daemon would clean the group up
+        assert os.path.exists(os.path.join(d, name)), "a segment held by another group's process was removed"
+        assert shm_manager.gc(dir=d) == []  # group A is not proved dead while the holder lives
+        kill(holder.pid)
+        holder.wait(10)
+        took = wait_until(lambda: not os.path.exists(os.path.join(d, name)), 5,
+                          "group A's daemon to give back the killed foreign holder's count")
+        figure(f"holds: a SIGKILLed holder of another group released the segment {took:.3f} s after its death")
+        wait_until(lambda: not any(group_a in n for n in os.listdir(d)), 5, "group A's files to go")
+    finally:
+        kill(holder.pid)
+        holder.wait(10)
+        holder.stdout.close()

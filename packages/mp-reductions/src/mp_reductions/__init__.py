@@ -41,4 +41,12 @@ __all__ = [
     "share_memory",
     "zeros_shared",
 ]
-__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # the version lives in pyproject.toml only, read on first use: importing stays fast
+    if name == "__version__":
+        from importlib.metadata import version
+
+        return version("mp-reductions")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -35,12 +35,48 @@ SPIN = int(os.environ.get("ARRAYMP_QUEUE_SPIN", "50"))  # see _queues Note [spin
 SOCKBUF = 1 << 20
 
 
-def socketpair() -> tuple[socket.socket, socket.socket]:
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    for s in (a, b):
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKBUF)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKBUF)
-    return a, b
+# Note [blocking]: socket.setdefaulttimeout() gives every Python socket made
+# after it a timeout (a blocking get() would raise TimeoutError), and sets
+# O_NONBLOCK on its descriptor: a flag of the open file, shared by every
+# process that holds the socket. The stdlib's connections are bare descriptors
+# and ignore that setting; ours ignore it too. Every socket made here is set
+# blocking (timeout None); one rebuilt from a descriptor another process sent
+# is made with SOCK_NONBLOCK in its type, which Python takes as given without
+# touching the file, then set blocking: a child under a default timeout never
+# makes its parent's blocking reads fail. The timeouts a caller asks for
+# (get(timeout=...), poll(t)) are poll()s, never socket timeouts.
+
+
+class _Socket(socket.socket):
+    """A socket that closes without a ResourceWarning when it is garbage collected.
+
+    Our Connection and Queue close their sockets when they are dropped; but in a
+    reference cycle the collector may finalize the socket first. The stdlib's
+    connections are bare descriptors, closed silently then; so are ours.
+    """
+
+    __slots__ = ()
+
+    def __del__(self):
+        self.close()
+
+
+def socketpair(kind: int = socket.SOCK_SEQPACKET) -> tuple[socket.socket, socket.socket]:
+    """A connected pair, blocking whatever the default timeout (Note [blocking])."""
+    pair = [_Socket(socket.AF_UNIX, kind, 0, s.detach()) for s in socket.socketpair(socket.AF_UNIX, kind)]
+    for s in pair:
+        s.settimeout(None)
+        if kind == socket.SOCK_SEQPACKET:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKBUF)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKBUF)
+    return pair[0], pair[1]
+
+
+def socket_from_fd(fd: int, kind: int) -> socket.socket:
+    """The socket of a descriptor received from another process, blocking (Note [blocking])."""
+    sock = _Socket(socket.AF_UNIX, kind | socket.SOCK_NONBLOCK, 0, fileno=fd)
+    sock.settimeout(None)
+    return sock
 
 
 class _Pickler(pickle.Pickler):
@@ -186,11 +222,21 @@ def recv_stream(sock: socket.socket) -> tuple[bytearray, list[int] | None]:
 
 def recv_raw(sock: socket.socket, flags: int = 0) -> tuple[bytes | memoryview, list[int]]:
     """One message's pickle bytes and its array descriptors (raises BlockingIOError, EOFError)."""
+    return unpack(*dequeue(sock, flags))
+
+
+def dequeue(sock: socket.socket, flags: int = 0) -> tuple[bytes, list[int]]:
+    """Take one message off the socket, as sent (raises BlockingIOError, EOFError: then nothing was taken)."""
     data, fds, _ = shm_core.recv_fds(sock, INLINE + 16, MAX_FDS + 1, flags)
     if not data:
         for fd in fds:
             os.close(fd)
         raise EOFError("the other end of the channel is closed")
+    return data, fds
+
+
+def unpack(data: bytes, fds: list[int]) -> tuple[bytes | memoryview, list[int]]:
+    """A dequeued message's pickle bytes and its array descriptors (None: a plain pickle)."""
     if data[:1] == b"S":
         n = int.from_bytes(data[1:9], "little")
         spill_fd = fds.pop()

@@ -2,20 +2,28 @@
 
 Same API as the stdlib's ``Connection``; ``send`` carries the arrays'
 descriptors in the same sendmsg, so the receiver gets shared memory, not copies.
+Our Connection subclasses the stdlib's and overrides each of its public
+methods, so ``isinstance(end, multiprocessing.connection.Connection)`` holds.
+The stdlib's class is no ABC (it cannot ``register`` a virtual subclass), and a
+``__class__`` that lies would make pickling rebuild the stdlib's class; a real
+subclass has neither problem, and reducers keyed by exact type (the
+ForkingPickler's registry) still pick our ``__reduce__``. ``fileno()`` lets
+``multiprocessing.connection.wait`` and ``select`` wait on it.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from multiprocessing import connection as mp_connection
 from multiprocessing import reduction
 
-from ._channel import Packet, loads, recv_raw, recv_stream, send_stream
+from ._channel import Packet, loads, recv_raw, recv_stream, send_stream, socket_from_fd, socketpair
 from ._queues import _wait_readable
 from ._reductions import init_reductions
 
 
-class Connection:
+class Connection(mp_connection.Connection):
     """One end of a ``Pipe`` (a stream socket), or of a SimpleQueue (a seqpacket one)."""
 
     _sock = None
@@ -125,7 +133,7 @@ class Connection:
 
     def __reduce__(self):
         self._check()
-        return _rebuild_connection, (reduction.DupFd(self.fileno()), self._readable, self._writable)
+        return _rebuild_connection, (reduction.DupFd(self.fileno()), self._readable, self._writable, self._sock.type)
 
 
 def _close_all(fds) -> None:
@@ -133,14 +141,14 @@ def _close_all(fds) -> None:
         os.close(fd)
 
 
-def _rebuild_connection(dupfd, readable, writable):
+def _rebuild_connection(dupfd, readable, writable, kind):
     init_reductions()
-    return Connection(socket.socket(fileno=dupfd.detach()), readable, writable)  # the type comes with the fd
+    return Connection(socket_from_fd(dupfd.detach(), kind), readable, writable)
 
 
 def Pipe(duplex: bool = True) -> tuple[Connection, Connection]:
     """Two connected ends; ``duplex=False`` gives (receive-only, send-only) as the stdlib does."""
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a, b = socketpair(socket.SOCK_STREAM)
     if duplex:
         return Connection(a), Connection(b)
     return Connection(a, writable=False), Connection(b, readable=False)

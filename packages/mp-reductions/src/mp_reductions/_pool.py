@@ -3,21 +3,30 @@
 
 What changed from the stdlib, and why::
 
-    apply/map/imap ─▶ task handler ──inqueue (SimpleQueue)──▶ worker ─┐
-                                                                      │ ("started", pid, job, i)
-    AsyncResult ◀── result handler ◀──outqueue (SimpleQueue)──────────┘ (job, i, result)
-                          ▲
-    worker handler ───────┘ ("exited", pid, exitcode) when a worker's sentinel fires
+    apply/map/imap ─▶ task handler ─▶ ready tasks ─▶ slot k: worker k's own queue ─▶ worker k ─┐
+                      (pickles them)    (sent while a slot holds < DEPTH unfinished)           │ (job, i) + result
+    AsyncResult ◀── result handler ◀──outqueue (SimpleQueue)───────────────────────────────────┘
+                          ▲          (sends ready tasks to the slots its results and deaths free)
+    worker handler ───────┘ deaths: slot, pid, exit code, the tasks it took (Note [lost tasks])
 
-- Both queues are our seqpacket ``SimpleQueue``, whatever the context: task
+- All queues are our seqpacket ``SimpleQueue``, whatever the context: task
   arguments and results carry their arrays by shared memory (DESIGN.md).
-- Each worker says which task it starts before running it, even before it
-  unpickles the task's arguments (Note [lost tasks]); the result handler
-  remembers, per worker pid, the task it runs. When the worker handler sees a
-  worker exit it reports the exit on the outqueue, after everything the worker
-  sent, so the result handler fails exactly the task the worker had not
-  finished with ``WorkerLostError`` (the stdlib's Pool waits forever there).
-  The worker is replaced as before; tasks never taken stay in the inqueue.
+- Each worker has its own task queue (a slot) instead of one shared inqueue,
+  holding the task it runs and the next one: so the parent knows which tasks
+  each worker took, and a worker that dies (a signal, the out-of-memory
+  killer, ``os._exit``) fails exactly those with ``WorkerLostError`` (the
+  stdlib's Pool waits forever there); a task it had not taken yet stays in
+  the slot for its replacement. The task handler keeps up to ``DEPTH`` tasks
+  per worker pickled and ready; the result handler sends them as results
+  arrive.
+- Every message starts with a head ``(job, i)`` read before the rest: a task
+  whose arguments fail to unpickle in the worker, or a result that fails to
+  unpickle in the parent, is that task's error; the pool goes on.
+- No handler thread dies of an error: the result handler retries a receive
+  that failed (the parent out of descriptors) after a back-off, logging once;
+  the worker handler retries a worker that failed to start the same way.
+- Workers exit when the pool's process is gone (they wait on its sentinel too:
+  under fork, a sibling holds every slot's writing end).
 - The worker handler no longer wakes on every queued result (the stdlib waits
   on the outqueue's reader too, which spins while results are pending); it
   wakes on worker exits and on the change notifier, which is all it acts on.
@@ -34,45 +43,81 @@ worker argument), whatever the start method. A worker in a group of its own
 leave its named segments to a daemon that unlinks them when the worker exits,
 while the parent still holds the results.
 
-Note [lost tasks]: each inqueue message is two pickles back to back in one
-seqpacket message: a head ``(job, i)`` (``None`` for the stop sentinel), then
-the task ``(job, i, func, args, kwds)``. The worker loads the head alone, sends
-"started", then loads the task. Unpickling the arguments can take long and
-allocate much (the out-of-memory killer picks that moment), and it can raise;
-in the stdlib's Pool both lose the task and its caller waits forever. Here a
-worker killed there fails the task with ``WorkerLostError``, and an error
-there is the task's error result, the worker going on. The window left: a
-worker killed between its recvmsg and the "started" send, where it unpickles
-only the tiny head and no user data, loses that task without a trace.
-``terminate`` drains what is queued and unpickles each task it drains, so
-that the shared memory the task names is given back (``_help_stuff_finish``).
+Note [lost tasks]: the parent sends a worker's queue (slot k) a task only
+while slot k holds fewer than ``DEPTH`` (2) unfinished ones (sent, and neither
+its result read nor its loss settled), under the slots' lock, and records
+each with its size in bytes; it keeps a reading end of every slot's queue. A
+worker takes its tasks in order, so the messages still queued in slot k are
+always the last ones sent, and their total size (SIOCINQ) says how many: the
+unfinished tasks before them were taken. When the worker handler reaps worker
+k (so it is dead and sent all it will ever send), it reads that total, under
+the lock and before it starts the replacement (the only other reader): the
+taken tasks are recorded as lost, the queued ones are left to the
+replacement. The result handler settles the record: it takes the records,
+then reads every message queued in the outqueue (all of the dead worker's are
+there by then; a receive that fails puts the settling off until one works),
+then fails each recorded task that is still unfinished (its
+result did not come) with ``WorkerLostError``. A task queued behind a running
+one (the slot's total is its size alone) is moved, unchanged, to a slot left
+with nothing to do when no task is ready: its worker cannot have taken it
+meanwhile (a receive that finds nothing moves nothing), and the stdlib's
+shared inqueue would have run it there too. So every task is, whatever is
+killed when, finished, failed, or queued for a live or starting worker;
+nothing depends on where a worker was killed (before or after its recvmsg,
+while unpickling, while sending its result), and no one waits for a slot
+without a worker on its way to it (every death is recorded, and settling it
+frees the slot). Stop sentinels go to the slots only once no task is
+unfinished (close) or at terminate, where unfinished results stay pending as
+in the stdlib. ``terminate`` gives back the shared memory of tasks never run:
+the ready ones (pickled, waiting for room) and the one the task handler holds
+are discarded, and each slot's queue is drained once the workers are gone
+(``_drain`` unpickles each task).
+
+Note [resource tracker]: ``Process.start`` under spawn (and forkserver) calls
+``multiprocessing.resource_tracker.getfd()``, which writes a probe to the
+tracker's pipe (``os.write``; a killed tracker gives EPIPE and is relaunched).
+The worker handler blocks there, as the stdlib's does, while the tracker does
+not read (stopped, or starved on a loaded machine); meanwhile no death is
+recorded and no worker replaced, but the deaths seen before are settled and
+the live workers go on. A start that fails (a killed forkserver, no
+descriptors left) is retried after a back-off instead of killing the thread.
 """
 
 from __future__ import annotations
 
-import functools
+import array
+import collections
+import fcntl
 import gc
 import io
+import logging
 import os
 import pickle
 import queue
+import select
 import signal
 import socket
+import termios
 import threading
 import time
-from multiprocessing import get_context, util
+from multiprocessing import get_context, parent_process, util
 from multiprocessing import pool as mp_pool
 
+import shm_core
 import shm_manager
 
-from ._channel import Packet, loads, recv_raw
+from . import _recycle
+from ._channel import INLINE, Packet, loads, recv_raw
 from ._queues import SimpleQueue
-from ._reductions import init_reductions
+from ._reductions import MAX_FDS, init_reductions
 
+DEPTH = 2  # tasks sent to a worker's queue and unfinished: the one it runs and the next (Note [lost tasks])
 GC_INTERVAL = 0.1  # seconds between full collections in a busy worker (one costs ~2.5 ms)
 _IDLE_WAIT = 0.05  # a worker that finds no task within this collects before blocking
-_STARTED = "started"
-_EXITED = "exited"
+_BACKOFF = (0.01, 1.0)  # first and longest wait before a handler retries what failed
+_WAKE = "wake"  # the head of the worker handler's nudge to the result handler: deaths were recorded
+
+log = logging.getLogger("mp_reductions.pool")
 
 
 class WorkerLostError(Exception):
@@ -113,14 +158,13 @@ def _kind(result) -> str:
     return "apply"
 
 
-def _put_task(writer, task) -> None:
-    """Send ``task`` (or the stop sentinel None) on the inqueue, its head first (Note [lost tasks])."""
-    writer._check(writable=True)
-    Packet(task, head=pickle.dumps(None if task is None else task[:2])).send(writer._sock)
+def _send(sock, head, obj) -> None:
+    """Send ``obj`` with its head (``(job, i)``, or None for a stop sentinel) first: see the module docstring."""
+    Packet(obj, head=pickle.dumps(head)).send(sock)
 
 
-def _split_task(data, fds):
-    """An inqueue message as (head, the task's pickle, its descriptors): only the head is unpickled."""
+def _split(data, fds):
+    """A message as (head, the rest's pickle, its descriptors): only the head is unpickled."""
     f = io.BytesIO(data)
     try:
         head = pickle.Unpickler(f).load()
@@ -131,60 +175,57 @@ def _split_task(data, fds):
     return head, memoryview(data)[f.tell():], fds
 
 
-def _recv_task(reader):
-    """The next inqueue message, as _split_task's."""
-    reader._check(readable=True)
-    return _split_task(*reader._recv())
-
-
-def _drain(inqueue) -> None:
-    """Take every task queued now, unpickling each so that the shared memory it names is given back."""
+def _drain(q) -> None:
+    """Take every message queued in ``q`` now, unpickling each so that the shared memory it names is given back."""
     while True:
         try:
-            _, body, fds = _split_task(*recv_raw(inqueue._reader._sock, socket.MSG_DONTWAIT))
+            _, body, fds = _split(*recv_raw(q._reader._sock, socket.MSG_DONTWAIT))
         except (EOFError, OSError):  # empty (BlockingIOError), or closed
             return
         try:
             loads(body, fds)
         except Exception:  # the worker would have made it the task's error; nobody waits for it now
             pass
-        time.sleep(0)
 
 
-def _next_task(inqueue, dirty: bool):
-    """The next task as _recv_task's; collect garbage first when no task comes within _IDLE_WAIT."""
-    if dirty and not inqueue._reader.poll(_IDLE_WAIT):
+def _next_task(reader, waiter, dirty: bool):
+    """The next task as _split's; collect garbage first when none comes within _IDLE_WAIT; EOFError once the
+    pool's process is gone (``waiter`` polls the reader and the parent's sentinel)."""
+    if dirty and not reader.poll(_IDLE_WAIT):
         gc.collect()
-    return _recv_task(inqueue._reader)
+    if not any(fd == reader.fileno() and events & select.POLLIN for fd, events in waiter.poll()):
+        raise EOFError("the pool's process is gone")
+    return _split(*reader._recv())
 
 
 def worker(inqueue, outqueue, initializer=None, initargs=(), maxtasks=None, wrap_exception=False, group=None):
-    """The stdlib's pool worker, plus the group, the "started" message and the garbage collections."""
+    """The stdlib's pool worker on its own slot's queue, plus the group, the heads and the garbage collections."""
     if maxtasks is not None and not (isinstance(maxtasks, int) and maxtasks >= 1):
         raise AssertionError(f"Maxtasks {maxtasks!r} is not valid")
     if group is not None:
         shm_manager.join_group(group)  # see Note [group]
     init_reductions()
-    put = outqueue.put
-    pid = os.getpid()
+    out = outqueue._writer._sock
     inqueue._writer.close()
     outqueue._reader.close()
+    waiter = select.poll()
+    waiter.register(inqueue._reader.fileno(), select.POLLIN)
+    if parent_process() is not None:
+        waiter.register(parent_process().sentinel, select.POLLIN)
     if initializer is not None:
         initializer(*initargs)
 
     completed, dirty, last_gc = 0, False, time.monotonic()
     while maxtasks is None or completed < maxtasks:
         try:
-            head, body, fds = _next_task(inqueue, dirty)
-        except (EOFError, OSError):
+            head, body, fds = _next_task(inqueue._reader, waiter, dirty)
+        except (EOFError, OSError):  # a task it could not receive stays in the slot for the replacement
             util.debug("worker got EOFError or OSError -- exiting")
             break
         if head is None:
             util.debug("worker got sentinel -- exiting")
             break
 
-        job, i = head
-        put((_STARTED, pid, job, i))  # before unpickling the arguments: see Note [lost tasks]
         func = None
         try:
             _, _, func, args, kwds = loads(body, fds)
@@ -195,13 +236,13 @@ def worker(inqueue, outqueue, initializer=None, initargs=(), maxtasks=None, wrap
                 e = mp_pool.ExceptionWithTraceback(e, e.__traceback__)
             result = (False, e)
         try:
-            put((job, i, result))
+            _send(out, head, result)
         except Exception as e:
             wrapped = mp_pool.MaybeEncodingError(e, result[1])
             util.debug(f"Possible encoding error while sending result: {wrapped}")
-            put((job, i, (False, wrapped)))
+            _send(out, head, (False, wrapped))
 
-        head = body = fds = job = result = func = args = kwds = None
+        head = body = fds = result = func = args = kwds = None
         completed += 1
         now = time.monotonic()
         if now - last_gc >= GC_INTERVAL:
@@ -211,6 +252,155 @@ def worker(inqueue, outqueue, initializer=None, initargs=(), maxtasks=None, wrap
             dirty = True
     gc.collect()
     util.debug(f"worker exiting after {completed} tasks")
+
+
+def _queued_bytes(q) -> int:
+    """Bytes of the messages queued in ``q`` (SIOCINQ sums every queued message on a seqpacket socket)."""
+    n = array.array("i", [0])
+    fcntl.ioctl(q._reader.fileno(), termios.FIONREAD, n)
+    return n[0]
+
+
+class _Slots:
+    """The workers' own task queues, the tasks each holds, and the deaths to settle (Note [lost tasks]).
+
+    Passed where the stdlib passes the inqueue; ``put`` is the task handler's ``put``.
+    """
+
+    def __init__(self, processes: int, cache):
+        self.cache = cache
+        self.cond = threading.Condition(threading.Lock())
+        self.queues = [SimpleQueue() for _ in range(processes)]
+        self.workers: list = [None] * processes  # the Process serving each slot, None while it has none
+        self.sent = [collections.deque() for _ in range(processes)]  # unfinished ((job, i), bytes), in order
+        self.owner: dict[tuple, int] = {}  # unfinished (job, i) -> its slot
+        self.deaths: list[tuple] = []  # (slot, pid, exitcode, the (job, i)s it took), to settle
+        self.ready: collections.deque = collections.deque()  # ((job, i), Packet): pickled, sent as slots have room
+        self.ready_max = DEPTH * processes
+        self.failed: list[tuple] = []  # (job, i, error): a task that could not be sent
+        self.closed = self.stopped = False
+
+    def put(self, task) -> None:
+        """Pickle ``task`` and add it to the ready ones (sent at once if a slot has room, else by the result
+        handler as soon as one does), waiting while ``ready_max`` are; None: stop every worker."""
+        if task is None:
+            with self.cond:
+                if not (self.stopped or self.closed):
+                    self.stopped = True
+                    for q in self.queues:
+                        _send(q._writer._sock, None, None)
+            return
+        job, i = task[:2]
+        packet = Packet(task, head=pickle.dumps((job, i)))  # may raise: the stdlib makes it the task's error
+        with self.cond:
+            while not self.closed and len(self.ready) >= self.ready_max:
+                self.cond.wait()
+            if self.closed:
+                packet.discard()
+                return
+            self.ready.append(((job, i), packet))
+            self._send_ready()
+        self.settle_failed()
+
+    def _send_ready(self) -> None:
+        """Send ready tasks to the slots holding fewest unfinished ones while they hold fewer than DEPTH (the
+        lock held); with none ready, move to a slot holding none a task queued behind a running one."""
+        while True:
+            k = min(range(len(self.sent)), key=lambda k: len(self.sent[k]))
+            if not self.ready:
+                if not self.sent[k]:
+                    self._take_back(k)
+                return
+            if len(self.sent[k]) >= DEPTH:
+                return
+            (job, i), packet = self.ready.popleft()
+            if len(self.ready) == self.ready_max // 2:
+                self.cond.notify()  # the task handler pickles the next ones in a burst, not one by one
+            size = sum(memoryview(b).nbytes for b in packet.buffers)
+            try:
+                packet.send(self.queues[k]._writer._sock)  # never blocks: the queue holds DEPTH tasks at most
+            except Exception as e:
+                packet.discard()
+                self.failed.append((job, i, e))
+                continue
+            self.sent[k].append(((job, i), size))
+            self.owner[job, i] = k
+
+    def settle_failed(self) -> None:
+        """Fail the tasks that could not be sent with their error (the stdlib's task handler does so too)."""
+        with self.cond:
+            failed, self.failed = self.failed, []
+        for job, i, e in failed:
+            result = self.cache.get(job)
+            if result is not None:
+                result._set(i, (False, e))
+
+    def _take_back(self, k: int) -> None:
+        """Move to slot ``k`` a task not taken yet queued behind a running one (the lock held)."""
+        for w, sent in enumerate(self.sent):
+            if len(sent) < 2 or _queued_bytes(self.queues[w]) != sent[-1][1]:
+                continue  # only the last one queued: the others taken
+            try:
+                data, fds, _ = shm_core.recv_fds(self.queues[w]._reader._sock, INLINE + 16, MAX_FDS + 1,
+                                                 socket.MSG_DONTWAIT)
+            except OSError:  # its worker took it (BlockingIOError), or no descriptor free: it stays
+                continue
+            task = sent.pop()
+            try:
+                shm_core.send_fds(self.queues[k]._writer._sock, [data], fds)  # unchanged, counts and all
+            except OSError as e:
+                del self.owner[task[0]]
+                self.failed.append((*task[0], e))
+                continue
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            self.sent[k].append(task)
+            self.owner[task[0]] = k
+            return
+
+    def finished(self, job, i, k: int | None = None) -> bool:
+        """Mark (job, i) finished if it is unfinished (and in slot ``k`` if given); False if it was not."""
+        with self.cond:
+            k2 = self.owner.get((job, i))
+            if k2 is None or (k is not None and k2 != k):
+                return False
+            del self.owner[job, i]
+            self.sent[k2] = collections.deque(t for t in self.sent[k2] if t[0] != (job, i))
+            self._send_ready()
+            return True
+
+    def exited(self, w) -> None:
+        """Record the death of ``w`` (reaped) with the tasks it took (Note [lost tasks])."""
+        with self.cond:
+            k = self.workers.index(w)
+            self.workers[k] = None
+            taken, queued, left = list(self.sent[k]), 0, _queued_bytes(self.queues[k])
+            while taken and queued + taken[-1][1] <= left:  # the queued ones are the last sent
+                queued += taken.pop()[1]
+            self.deaths.append((k, w.pid, w.exitcode, [task for task, _ in taken]))
+
+    def take_deaths(self) -> list[tuple]:
+        with self.cond:
+            deaths, self.deaths = self.deaths, []
+            return deaths
+
+    def close(self) -> None:
+        """No more tasks: discard the ready ones, and wake the task handler, which discards the one it holds."""
+        with self.cond:
+            self.closed = True
+            while self.ready:
+                self.ready.popleft()[1].discard()
+            self.cond.notify_all()
+
+    def drain(self) -> None:
+        """Give back the shared memory of the tasks left in the slots (the workers are gone)."""
+        for q in self.queues:
+            _drain(q)
+
+
+def _backoff(delay: float | None) -> float:
+    return _BACKOFF[0] if delay is None else min(2 * delay, _BACKOFF[1])
 
 
 class Pool(mp_pool.Pool):
@@ -227,7 +417,6 @@ class Pool(mp_pool.Pool):
         self._state = mp_pool.INIT
         init_reductions()
         self._ctx = context or get_context()
-        self._setup_queues()
         self._taskqueue = queue.SimpleQueue()
         self._change_notifier = SimpleQueue()
         self._cache = mp_pool._PoolCache(notifier=self._change_notifier)
@@ -246,6 +435,7 @@ class Pool(mp_pool.Pool):
             raise TypeError("initializer must be a callable")
 
         self._processes = processes
+        self._setup_queues()
         try:
             self._repopulate_pool()
         except Exception:
@@ -263,13 +453,17 @@ class Pool(mp_pool.Pool):
             self._get_sentinels(), self._change_notifier))
         self._task_handler = self._thread(cls._handle_tasks, (
             self._taskqueue, self._quick_put, self._outqueue, self._pool, self._cache))
-        self._result_handler = self._thread(cls._handle_results, (self._outqueue, self._quick_get, self._cache))
+        self._result_handler = self._thread(cls._handle_results, (self._outqueue, self._inqueue, self._cache))
         self._terminate = util.Finalize(
             self, self._terminate_pool,
             args=(self._taskqueue, self._inqueue, self._outqueue, self._pool, self._change_notifier,
                   self._worker_handler, self._task_handler, self._result_handler, self._cache),
             exitpriority=15)
         self._state = mp_pool.RUN
+
+    def join(self) -> None:
+        super().join()
+        _recycle.release_all()  # the message segments this process keeps for reuse go with the pool
 
     @staticmethod
     def _thread(target, args) -> threading.Thread:
@@ -279,133 +473,137 @@ class Pool(mp_pool.Pool):
         return t
 
     def _setup_queues(self):
-        self._inqueue = SimpleQueue()
+        self._inqueue = _Slots(self._processes, self._cache)  # the stdlib's name: every handler gets it as its inqueue
         self._outqueue = SimpleQueue()
-        self._quick_put = functools.partial(_put_task, self._inqueue._writer)
-        self._quick_get = self._outqueue._reader.recv
+        self._quick_put = self._inqueue.put
 
     def _get_sentinels(self):
         return [self._change_notifier._reader]
 
     @staticmethod
     def _help_stuff_finish(inqueue, task_handler, size):
-        """Drain the inqueue at terminate (the task handler may be blocked putting), unpickling each task so
-        that the shared memory it names is given back (file_system: its in-flight counts).
-
-        The stdlib drains only while the task handler lives, which ends as soon as the worker handler's
-        does: what it leaves queued would hold its segments until the group ends. This drains all that is
-        queued, sentinels too (the workers are terminated next), and _terminate_pool drains once more when
-        the task handler has ended, for a task whose put was under way. The read lock stays held, as in
-        the stdlib: no worker takes a task from now on.
-        """
-        util.debug("removing tasks from inqueue")
-        inqueue._rlock.acquire()
-        _drain(inqueue)
+        """At terminate: the task handler stops waiting for a slot and discards the task it holds (the
+        stdlib drains its inqueue here instead; the slots are drained once the workers are gone)."""
+        inqueue.close()
 
     @classmethod
     def _terminate_pool(cls, taskqueue, inqueue, outqueue, pool, change_notifier, worker_handler, task_handler,
                         result_handler, cache):
         super()._terminate_pool(taskqueue, inqueue, outqueue, pool, change_notifier, worker_handler,
                                 task_handler, result_handler, cache)
-        _drain(inqueue)  # the task handler has been joined: what it put after the first drain
+        inqueue.drain()  # every worker and handler has been joined: nothing takes from the slots any more
+        _recycle.release_all()
 
     @staticmethod
     def _repopulate_pool_static(ctx, Process, processes, pool, inqueue, outqueue, initializer, initargs,
                                 maxtasksperchild, wrap_exception):
+        """Start a worker for each slot that has none."""
         group = shm_manager.group()
-        for _ in range(processes - len(pool)):
-            w = Process(ctx, target=worker, args=(inqueue, outqueue, initializer, initargs, maxtasksperchild,
-                                                  wrap_exception, group))
+        for k, w in enumerate(inqueue.workers):
+            if w is not None:
+                continue
+            w = Process(ctx, target=worker, args=(inqueue.queues[k], outqueue, initializer, initargs,
+                                                  maxtasksperchild, wrap_exception, group))
             w.name = w.name.replace("Process", "PoolWorker")
             w.daemon = True
             w.start()
+            inqueue.workers[k] = w
             pool.append(w)
             util.debug("added worker")
 
     @classmethod
     def _maintain_pool(cls, ctx, Process, processes, pool, inqueue, outqueue, initializer, initargs,
                        maxtasksperchild, wrap_exception):
-        """Report exited workers to the result handler, reap them and start replacements."""
-        cleaned = False
-        for k in reversed(range(len(pool))):
-            w = pool[k]
-            if w.exitcode is not None:
-                try:
-                    outqueue.put((_EXITED, w.pid, w.exitcode))
-                except OSError:  # the pool is being torn down
-                    pass
-                w.join()
-                del pool[k]
-                cleaned = True
-        if cleaned:
-            cls._repopulate_pool_static(ctx, Process, processes, pool, inqueue, outqueue, initializer, initargs,
-                                        maxtasksperchild, wrap_exception)
+        """Record exited workers' deaths (Note [lost tasks]), reap them, start replacements."""
+        dead = [w for w in pool if w.exitcode is not None]
+        for w in dead:
+            inqueue.exited(w)
+            w.join()
+            pool.remove(w)
+        if dead:
+            try:
+                Packet(None, head=pickle.dumps(_WAKE)).send_nowait(outqueue._writer._sock)
+            except OSError:  # the pool is being torn down
+                pass
+        cls._repopulate_pool_static(ctx, Process, processes, pool, inqueue, outqueue, initializer, initargs,
+                                    maxtasksperchild, wrap_exception)
+
+    @classmethod
+    def _handle_workers(cls, cache, taskqueue, ctx, Process, processes, pool, inqueue, outqueue, initializer,
+                        initargs, maxtasksperchild, wrap_exception, sentinels, change_notifier):
+        """The stdlib's, retrying after a back-off when a worker fails to start (Note [resource tracker])."""
+        thread = threading.current_thread()
+        delay = None
+        while thread._state == mp_pool.RUN or (cache and thread._state != mp_pool.TERMINATE):
+            try:
+                cls._maintain_pool(ctx, Process, processes, pool, inqueue, outqueue, initializer, initargs,
+                                   maxtasksperchild, wrap_exception)
+                delay = None
+            except Exception:
+                if delay is None:
+                    log.warning("a pool worker failed to start; retrying", exc_info=True)
+                delay = _backoff(delay)
+            cls._wait_for_updates([*cls._get_worker_sentinels(pool), *sentinels], change_notifier, delay)
+        taskqueue.put(None)
+        util.debug("worker handler exiting")
 
     @staticmethod
-    def _handle_results(outqueue, get, cache):
+    def _handle_results(outqueue, slots, cache):
+        """Read results and settle deaths (Note [lost tasks]) until stopped and nothing is pending; never dies of
+        a receive that fails (the parent out of descriptors: retried after a back-off, logged once)."""
         thread = threading.current_thread()
-        running: dict[int, tuple[int, int]] = {}  # worker pid -> (job, i) it runs
-        owner: dict[tuple[int, int], int] = {}  # (job, i) -> worker pid
+        reader = outqueue._reader
+        stopping, delay, deaths = False, None, []
 
-        def handle(task) -> None:
-            if len(task) == 4:  # (_STARTED, pid, job, i)
-                _, pid, job, i = task
-                running[pid] = (job, i)
-                owner[job, i] = pid
+        def settle(head, body, fds) -> None:
+            if head is None:
+                nonlocal stopping
+                stopping = True
                 return
-            if task[0] == _EXITED:
-                _, pid, exitcode = task
-                lost = running.pop(pid, None)
-                if lost is None:
-                    return
-                del owner[lost]
-                job, i = lost
-                result = cache.get(job)
-                if result is not None:
-                    result._set(i, (False, WorkerLostError(pid, exitcode, i, _kind(result))))
+            if head == _WAKE:
                 return
-            job, i, obj = task
-            pid = owner.pop((job, i), None)
-            if pid is not None:
-                running.pop(pid, None)
+            job, i = head
+            known = slots.finished(job, i)
             try:
-                cache[job]._set(i, obj)
-            except KeyError:
-                pass
+                obj = loads(body, fds)  # even if unknown: gives back the shared memory it names
+                if not (isinstance(obj, tuple) and len(obj) == 2):
+                    raise TypeError(f"a pool worker sent {type(obj).__name__!r} as a result")
+            except Exception as e:  # the task's error: see the module docstring
+                obj = (False, e)
+            result = cache.get(job) if known else None
+            if result is not None:
+                result._set(i, obj)
 
-        while True:
+        while thread._state != mp_pool.TERMINATE and not (stopping and not cache):
+            if delay is None:
+                reader.poll(None)  # results, the stop sentinel, and the worker handler's nudges wake it
+            else:
+                time.sleep(delay)
+            deaths += slots.take_deaths()
             try:
-                task = get()
-            except (OSError, EOFError):
-                util.debug("result handler got EOFError/OSError -- exiting")
+                while True:
+                    try:
+                        msg = _split(*recv_raw(reader._sock, socket.MSG_DONTWAIT))
+                    except BlockingIOError:
+                        break
+                    delay = None
+                    try:
+                        settle(*msg)
+                    except Exception:  # a callback raised, or a worker sent a bad head: the stdlib's would die
+                        log.exception("the pool's result handler could not deliver a result")
+            except EOFError:
+                util.debug("result handler got EOFError -- exiting")
                 return
-            if thread._state != mp_pool.RUN:
-                util.debug("result handler found thread._state=TERMINATE")
-                break
-            if task is None:
-                util.debug("result handler got sentinel")
-                break
-            handle(task)
-            task = None
-
-        while cache and thread._state != mp_pool.TERMINATE:
-            try:
-                task = get()
-            except (OSError, EOFError):
-                util.debug("result handler got EOFError/OSError -- exiting")
-                return
-            if task is None:
-                util.debug("result handler ignoring extra sentinel")
-                continue
-            handle(task)
-            task = None
-
-        util.debug("ensuring that outqueue is not full")
-        try:
-            for _ in range(10):
-                if not outqueue._reader.poll():
-                    break
-                get()
-        except (OSError, EOFError):
-            pass
+            except Exception:
+                if delay is None:
+                    log.warning("the pool's result handler could not receive a result; retrying", exc_info=True)
+                delay = _backoff(delay)
+                continue  # the deaths wait until every message before them is read
+            for k, pid, exitcode, took in deaths:
+                for job, i in took:
+                    result = cache.get(job) if slots.finished(job, i, k) else None
+                    if result is not None:
+                        result._set(i, (False, WorkerLostError(pid, exitcode, i, _kind(result))))
+            deaths = []
+            slots.settle_failed()
         util.debug(f"result handler exiting: len(cache)={len(cache)}, thread._state={thread._state}")

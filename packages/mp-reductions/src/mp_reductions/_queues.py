@@ -17,7 +17,13 @@ What changed from the stdlib, and why::
 - ``put`` pickles at once (errors are raised to the caller, and the array's
   contents are those at the time of ``put``), then sends directly when the
   socket has room; only a full socket hands the message to a feeder thread,
-  which is joined at exit as the stdlib's is.
+  which is joined at exit as the stdlib's is. A subclass that overrides
+  ``_on_queue_feeder_error`` gets it called instead of the raise, as the
+  stdlib's feeder calls it (the item is dropped, ``put`` returns).
+
+The classes subclass the stdlib's of the same names (each method of theirs is
+overridden): ``isinstance(q, multiprocessing.queues.Queue)`` holds, and code
+that subclasses for the hook above works unchanged.
 """
 
 from __future__ import annotations
@@ -27,28 +33,62 @@ import os
 import queue
 import select
 import socket
-import sys
 import threading
 import time
 import traceback
 import types
 import weakref
 from multiprocessing import context as mp_context
+from multiprocessing import queues as mp_queues
 from multiprocessing import reduction, util
 
 import shm_core
 
-from ._channel import SPIN, Packet, loads, recv_raw, socketpair
+from ._channel import SPIN, Packet, dequeue, loads, socket_from_fd, socketpair, unpack
 from ._reductions import init_reductions
 
 _COUNT = shm_core.HEADER_SIZE  # items put and not yet got
 _UNFINISHED = _COUNT + 8  # JoinableQueue: items put and not yet task_done()
 _WAITERS = _COUNT + 16  # putters waiting for room
 
+# Note [slots]: _COUNT bounds a Queue(maxsize): a putter takes a slot (CAS
+# below maxsize) before it sends, so every message in the socket or in a
+# feeder's buffer holds one. A getter gives the slot back *before* each receive
+# attempt and takes it again if that attempt dequeued nothing: a getter killed
+# anywhere (SIGKILL right after recvmsg dequeued a message included) never
+# leaves the count too high, so it never blocks putters for good. The price is
+# on the safe side: for the instant of an attempt the count is one low per
+# getter (a put may then go past maxsize by that many; qsize() never shows less
+# than 0), and a getter killed inside an attempt that dequeued nothing leaves it
+# one low for good (one more item fits).
+
 # Note [spin]: a getter that finds the queue empty retries a few times (yielding
 # the CPU) before it sleeps in poll(): in a steady stream the next message is
 # usually microseconds away, and a sleep plus wake-up costs tens of them
 # (ARRAYMP_QUEUE_SPIN tries, 50 by default, 0 to turn it off).
+
+
+# Note [closing]: as the stdlib's, Queue.close() means no more puts from this
+# process, and once what it buffered is sent, this process's descriptors of
+# both sockets are closed (after close(), get() raises ValueError, as the
+# stdlib's does; the stdlib's feeder thread closes both connections too). The
+# other processes' descriptors of the same sockets stay open: the queue lives
+# on for them.
+#
+#   close() ─ no feeder thread ─────────────────────────────▶ both ends closed now
+#          └─ feeder: _CLOSE queued after the buffered packets ─▶ it sends them, closes both, exits;
+#                                                                 join_thread() waits for that
+#
+# A queue dropped without close() does the same (__del__, or the feeder told by
+# a Finalize), so no socket is left for the garbage collector to warn about.
+# A get() in progress in another thread sees the reader close as a closed
+# Python socket (number -1: never another descriptor reusing the number) and
+# raises ValueError, dequeuing nothing: a message it had not yet dequeued is
+# left for the queue's other readers.
+_CLOSE = object()
+
+
+_STDLIB_FEEDER_ERROR = mp_queues.Queue._on_queue_feeder_error  # prints the traceback; ours raises at put instead
 
 
 def _wait_readable(sock: socket.socket, timeout: float | None) -> bool:
@@ -67,7 +107,7 @@ def _attach_state(fd: int) -> shm_core.Segment:
     return seg
 
 
-class SimpleQueue:
+class SimpleQueue(mp_queues.SimpleQueue):
     """``multiprocessing.SimpleQueue`` whose arrays travel by shared memory.
 
     Like the stdlib's, it exposes ``_reader`` / ``_writer`` connections, so
@@ -111,8 +151,10 @@ class SimpleQueue:
     __class_getitem__ = classmethod(types.GenericAlias)
 
 
-class Queue:
+class Queue(mp_queues.Queue):
     """``multiprocessing.Queue`` whose arrays travel by shared memory; no lock between processes."""
+
+    _reader = _writer = _thread = None  # a half-built queue is safe to drop
 
     def __init__(self, maxsize: int = 0, *, ctx=None):
         if maxsize <= 0:
@@ -125,12 +167,15 @@ class Queue:
 
     def __getstate__(self):
         mp_context.assert_spawning(self)
-        return self._maxsize, self._reader, self._writer, reduction.DupFd(self._state.fd)
+        return (self._maxsize, reduction.DupFd(self._reader.fileno()), reduction.DupFd(self._writer.fileno()),
+                reduction.DupFd(self._state.fd))
 
     def __setstate__(self, state):
         init_reductions()
-        self._maxsize, self._reader, self._writer, dupfd = state
-        self._state = _attach_state(dupfd.detach())
+        self._maxsize, reader, writer, state_fd = state
+        self._reader = socket_from_fd(reader.detach(), socket.SOCK_SEQPACKET)
+        self._writer = socket_from_fd(writer.detach(), socket.SOCK_SEQPACKET)
+        self._state = _attach_state(state_fd.detach())
         self._reset()
         util.register_after_fork(self, Queue._reset)
 
@@ -140,7 +185,7 @@ class Queue:
         self._notempty = threading.Condition(threading.Lock())
         self._buffer = collections.deque()
         self._thread = None
-        self._closing = False
+        self._close = None  # once a feeder runs: tells it to flush and close (Note [closing])
 
     # -- putting -----------------------------------------------------------
     def _take_slot(self, block: bool, timeout: float | None) -> None:
@@ -162,8 +207,11 @@ class Queue:
                 st.fetch_add(_WAITERS, -1)
 
     def _give_slot(self) -> None:
+        self._state.fetch_add(_COUNT, -1)
+        self._wake_putter()
+
+    def _wake_putter(self) -> None:
         st = self._state
-        st.fetch_add(_COUNT, -1)
         if st.load(_WAITERS):
             st.futex_wake(_COUNT, 1)
 
@@ -173,11 +221,18 @@ class Queue:
         self._take_slot(block, timeout)
         try:
             packet = Packet(obj)
-        except BaseException:
+        except BaseException as e:
             self._give_slot()
-            raise
-        self._count_task()
+            if not isinstance(e, Exception) or type(self)._on_queue_feeder_error is _STDLIB_FEEDER_ERROR:
+                raise
+            self._on_queue_feeder_error(e, obj)  # a subclass's hook, written for the stdlib: the item is dropped
+            return
         with self._notempty:
+            if self._closed:  # by another thread meanwhile: the writer may be closed (Note [closing])
+                packet.discard()
+                self._give_slot()
+                raise ValueError(f"Queue {self!r} is closed")
+            self._count_task()
             if not self._buffer and packet.send_nowait(self._writer):
                 return
             self._buffer.append(packet)
@@ -192,42 +247,40 @@ class Queue:
         return self.put(obj, False)
 
     def _start_thread(self) -> None:
-        self._thread = threading.Thread(target=Queue._feed, args=(weakref.ref(self), self._notempty, self._buffer,
+        self._thread = threading.Thread(target=Queue._feed, args=(self._notempty, self._buffer, self._reader,
                                                                     self._writer), name="QueueFeederThread",
                                         daemon=True)
         self._thread.start()
         if not self._joincancelled:
             self._jointhread = util.Finalize(self._thread, Queue._finalize_join, [weakref.ref(self._thread)],
                                              exitpriority=-5)
-        self._close = util.Finalize(self, Queue._finalize_close, [self._notempty, self], exitpriority=10)
+        # at close(), at exit, or when the queue is dropped (Note [closing])
+        self._close = util.Finalize(self, Queue._finalize_close, [self._notempty, self._buffer], exitpriority=10)
 
     @staticmethod
-    def _feed(qref, notempty, buffer, writer) -> None:
+    def _feed(notempty, buffer, reader, writer) -> None:
         while True:
             with notempty:
                 while not buffer:
-                    q = qref()
-                    if q is None or q._closing:
-                        return
-                    del q
-                    notempty.wait(0.1)
+                    notempty.wait()
                 packet = buffer[0]
+            if packet is _CLOSE:
+                reader.close()
+                writer.close()
+                return
             try:
                 packet.send(writer)
-            except Exception:
-                q = qref()
-                if q is not None and q._closing and isinstance(sys.exc_info()[1], BrokenPipeError):
-                    packet.discard()
-                else:
+            except Exception as e:
+                if not (isinstance(e, BrokenPipeError) and buffer[-1] is _CLOSE):  # no reader left while closing
                     traceback.print_exc()
-                    packet.discard()
+                packet.discard()
             with notempty:
                 buffer.popleft()
 
     @staticmethod
-    def _finalize_close(notempty, q) -> None:
+    def _finalize_close(notempty, buffer) -> None:
         with notempty:
-            q._closing = True
+            buffer.append(_CLOSE)
             notempty.notify()
 
     @staticmethod
@@ -238,15 +291,20 @@ class Queue:
 
     # -- getting -----------------------------------------------------------
     def get(self, block: bool = True, timeout: float | None = None):
-        if self._closed:
-            raise ValueError(f"Queue {self!r} is closed")
         deadline = None if timeout is None or not block else time.monotonic() + timeout
         spin = SPIN if block else 0
+        st = self._state
         while True:
+            if self._closed:  # also by another thread while this one waited (Note [closing])
+                raise ValueError(f"Queue {self!r} is closed")
+            st.fetch_add(_COUNT, -1)  # the slot back before the receive (Note [slots])
             try:
-                data, fds = recv_raw(self._reader, socket.MSG_DONTWAIT)
+                msg = dequeue(self._reader, socket.MSG_DONTWAIT)
                 break
-            except BlockingIOError:
+            except BaseException as e:
+                st.fetch_add(_COUNT, 1)  # nothing dequeued: the slot is still taken
+                if not isinstance(e, BlockingIOError):
+                    raise
                 if spin:  # Note [spin]
                     spin -= 1
                     os.sched_yield()
@@ -255,15 +313,15 @@ class Queue:
                 if not block or (remaining is not None and remaining <= 0):
                     raise queue.Empty from None
                 _wait_readable(self._reader, remaining)
-        self._give_slot()
-        return loads(data, fds)
+        self._wake_putter()
+        return loads(*unpack(*msg))
 
     def get_nowait(self):
         return self.get(False)
 
     # -- state -------------------------------------------------------------
     def qsize(self) -> int:
-        return self._state.load(_COUNT)
+        return max(0, self._state.load(_COUNT))  # Note [slots]
 
     def empty(self) -> bool:
         return not _wait_readable(self._reader, 0)
@@ -272,14 +330,26 @@ class Queue:
         return self.qsize() >= self._maxsize
 
     def close(self) -> None:
-        """No more puts from this process; the feeder flushes what is buffered, then quits."""
-        self._closed = True
+        """No more puts or gets in this process; what it buffered is sent, then its ends close (Note [closing])."""
         with self._notempty:
-            self._closing = True
-            self._notempty.notify()
+            self._closed = True
+            if self._thread is None:
+                self._close_ends()
+        close, self._close = self._close, None
+        if close is not None:
+            close()
+
+    def _close_ends(self) -> None:
+        for sock in (self._reader, self._writer):
+            if sock is not None:
+                sock.close()
+
+    def __del__(self):
+        if self._thread is None:  # a feeder closes them itself, once told (Note [closing])
+            self._close_ends()
 
     def join_thread(self) -> None:
-        """Wait for the feeder thread to flush (only after close())."""
+        """Wait for the feeder thread to flush and close (only after close())."""
         assert self._closed, f"Queue {self!r} not closed"
         if self._thread is not None:
             self._thread.join()
@@ -297,7 +367,7 @@ class Queue:
     __class_getitem__ = classmethod(types.GenericAlias)
 
 
-class JoinableQueue(Queue):
+class JoinableQueue(Queue, mp_queues.JoinableQueue):
     """``multiprocessing.JoinableQueue``: ``task_done()`` / ``join()`` over a shared counter."""
 
     def _count_task(self) -> None:

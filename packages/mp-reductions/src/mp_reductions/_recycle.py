@@ -89,7 +89,11 @@ def take(nbytes: int) -> shm_core.Segment:
     """A free pooled memfd segment of at least ``nbytes`` (and not much more), else a new one."""
     seg = _pick(lambda s: not s.name and nbytes <= s.size <= 2 * nbytes + (1 << 20))
     if seg is not None:
-        return seg
+        try:
+            _shared.fd_for_sending(seg)  # its descriptor may have been closed (_shared Note [descriptors])
+            return seg
+        except OSError:
+            pass
     try:
         return _shared.new_segment(nbytes, "file_descriptor")
     except shm_core.SharedMemoryFullError:
@@ -111,7 +115,7 @@ def sent(seg: shm_core.Segment) -> None:
     with st.lock:
         st.pool.append((seg, time.monotonic()))
         if len(st.pool) > POOL_MAX:
-            st.pool.pop(0)[0].close_fd()
+            _shared.release_fd(st.pool.pop(0)[0])
         _ensure_reaper(st)
 
 
@@ -138,22 +142,30 @@ def _ensure_reaper(st: _State) -> None:
 def _reap(st: _State) -> None:
     while True:
         time.sleep(min(IDLE / 4, 0.25))
-        with st.lock:
-            now = time.monotonic()
-            keep = []
-            for seg, t in st.pool:
-                if now - t > IDLE:
-                    seg.close_fd()  # the mapping goes with its last array
-                else:
-                    keep.append((seg, t))
-            st.pool = keep
-            for key, (seg, t) in list(st.recent.items()):
-                if now - t > IDLE:
-                    del st.recent[key]
-                    st.recent_bytes -= seg.length
-            if not st.pool and not st.recent:
-                st.reaper = None
-                return
+        if _drop_idle(st):
+            return
+
+
+def _drop_idle(st: _State) -> bool:
+    """Drop what has been idle longer than IDLE; True (and no reaper) once nothing is kept. A function of
+    its own: no local of the reaper's loop may keep a dropped segment alive while it sleeps."""
+    with st.lock:
+        now = time.monotonic()
+        keep = []
+        for seg, t in st.pool:
+            if now - t > IDLE:
+                _shared.release_fd(seg)  # the mapping goes with its last array
+            else:
+                keep.append((seg, t))
+        st.pool = keep
+        for key, (seg, t) in list(st.recent.items()):
+            if now - t > IDLE:
+                del st.recent[key]
+                st.recent_bytes -= seg.length
+        if not st.pool and not st.recent:
+            st.reaper = None
+            return True
+        return False
 
 
 def release_all() -> None:
@@ -161,5 +173,5 @@ def release_all() -> None:
     st = _state
     with st.lock:
         for seg, _ in st.pool:
-            seg.close_fd()
+            _shared.release_fd(seg)
         st.pool, st.recent, st.recent_bytes = [], collections.OrderedDict(), 0

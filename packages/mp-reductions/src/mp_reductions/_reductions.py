@@ -49,16 +49,17 @@ class Outgoing:
         self.pooled = pooled  # file_system: the copy may go into a pooled segment chosen at the first copy
         self.inlined = 0  # arrays that went inline
         self.handles = False  # the message names shared memory (the receiver needs an Incoming)
-        self.fds: list[int] = []
+        self.fds: list[int] = []  # dups, owned here (Note [descriptors] in _shared): closed once sent
         self.keep: list = []  # objects whose descriptors or counts must live until sent
         self.in_flight: list[shm_core.Segment] = []  # segments this message counts in flight (_recycle.REFS)
+        self.blocks: list[tuple[shm_core.Segment, int]] = []  # arena blocks it counts (_shared Note [arenas])
         self._index: dict[int, int] = {}
         self._copies: list[tuple[np.ndarray, int]] = []
         self._copy_size = 0
         self._copy_ref = None
         self.recycled: shm_core.Segment | None = None  # the message's copy segment, back to the pool once sent
 
-    def fd_ref(self, seg: shm_core.Segment, fd: int) -> tuple:
+    def fd_ref(self, seg: shm_core.Segment) -> tuple:
         self.handles = True
         i = self._index.get(id(seg))
         if i is None:
@@ -67,10 +68,16 @@ class Outgoing:
                                  "arrays with arraymp.share_memory(...) (one segment for all) or send them in "
                                  "several messages")
             i = self._index[id(seg)] = len(self.fds)
-            self.fds.append(fd)
+            self.fds.append(_shared.fd_for_sending(seg, dup=True))
             self.keep.append(seg)
             self._count_in_flight(seg)
         return ("m", i)
+
+    def block_ref(self, seg: shm_core.Segment, block: int) -> int:
+        """Count one array handle naming arena block ``block`` in flight (its receiver gives it back)."""
+        seg.fetch_add(shm_core.HEADER_SIZE + block, 1)
+        self.blocks.append((seg, block))
+        return block
 
     def _count_in_flight(self, seg: shm_core.Segment) -> None:
         seg.fetch_add(_recycle.REFS, 1)  # see _recycle Note [recycling]: it may be a recycled copy
@@ -118,7 +125,7 @@ class Outgoing:
             self._index[id(seg)] = -1  # abort() gives the in-flight count back
         else:
             seg = self.recycled = _recycle.take(self._copy_size)
-            self.fds[self._copy_ref[1]] = seg.fd
+            self.fds[self._copy_ref[1]] = _shared.fd_for_sending(seg, dup=True)
         self._count_in_flight(seg)
         for arr, offset in self._copies:
             np.copyto(seg.ndarray(arr.shape, arr.dtype, offset), arr, casting="no")
@@ -126,14 +133,20 @@ class Outgoing:
 
     def sent(self) -> None:
         """The message is in the socket: what it held may go, its copy segment back to the pool."""
+        self._close_fds()
         self.keep.clear()
         self.in_flight.clear()
+        self.blocks.clear()
         if self.recycled is not None:
             _recycle.sent(self.recycled)
             self.recycled = None
 
     def abort(self) -> None:
         """The message will not be sent: give back the in-flight counts taken."""
+        self._close_fds()
+        for seg, block in self.blocks:
+            seg.fetch_add(shm_core.HEADER_SIZE + block, -1)
+        self.blocks.clear()
         for obj in self.keep:
             if isinstance(obj, shm_core.Segment) and obj.name and self._index.get(id(obj)) == -1:
                 obj.decref()
@@ -144,6 +157,12 @@ class Outgoing:
         if self.recycled is not None:
             _recycle.sent(self.recycled)
             self.recycled = None
+
+    def _close_fds(self) -> None:
+        for fd in self.fds:
+            if fd >= 0:
+                os.close(fd)
+        self.fds.clear()
 
 
 class CopyMiss(Exception):
@@ -215,28 +234,45 @@ def reduce_ndarray(arr: np.ndarray):
         return arr.__reduce__()
     found = _shared.segment_of(arr)
     ctx = _current()
+    readonly = _readonly(arr)
     if found is None:
         if arr.nbytes == 0 or (arr.nbytes < get_inline_threshold() and not (ctx and ctx.share_all)):
             if isinstance(ctx, Outgoing):
                 ctx.inlined += 1
-            return arr.__reduce__()
+            order = "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C"
+            return rebuild_inline, (arr.tobytes(order), _dtype(arr.dtype), arr.shape, order, readonly)
         if isinstance(ctx, Outgoing):
             ref, offset = ctx.copy_ref(arr)
             # size None: the message's segment grows while the message is pickled
-            return rebuild_ndarray, (ref, None, offset, arr.shape, None, _dtype(arr.dtype), _readonly(arr))
-        arr = _shared.share_memory(arr)
+            return rebuild_ndarray, (ref, None, offset, arr.shape, None, _dtype(arr.dtype), readonly)
+        arr = _shared.share_memory(arr)  # a writable copy: ``readonly`` was read before
         found = _shared.segment_of(arr)
     seg, offset = found
     strides = None if arr.flags.c_contiguous else arr.strides
     if seg.name:
         ref = ctx.named_ref(seg) if isinstance(ctx, Outgoing) else _counted(seg, _named_ref_alone(seg))
     else:
-        fd = _shared.fd_for_sending(seg)
-        if fd < 0:
-            _shared.warn_copy_resend()
-            return reduce_ndarray(np.array(arr, copy=True))
-        ref = ctx.fd_ref(seg, fd) if isinstance(ctx, Outgoing) else _counted(seg, ("d", _dupfd(fd)))
-    return rebuild_ndarray, (ref, seg.size, offset, arr.shape, strides, _dtype(arr.dtype), _readonly(arr))
+        # never a silent copy: fd_for_sending raises when the descriptor cannot be re-opened
+        ref = ctx.fd_ref(seg) if isinstance(ctx, Outgoing) else \
+            _counted(seg, ("d", _dupfd(_shared.fd_for_sending(seg))))
+    args = (ref, seg.size, offset, arr.shape, strides, _dtype(arr.dtype), readonly)
+    block = _shared.block_of(arr, seg)
+    if block is None:
+        return rebuild_ndarray, args
+    if isinstance(ctx, Outgoing):
+        ctx.block_ref(seg, block)
+    else:
+        seg.fetch_add(shm_core.HEADER_SIZE + block, 1)  # in flight, as _counted
+    return rebuild_ndarray, (*args, block)
+
+
+def rebuild_inline(data: bytes, dtype, shape, order: str, readonly: bool) -> np.ndarray:
+    """Rebuild a small array sent inside the pickle, byte order and read-only flag kept (numpy's own
+    protocol-4 reduction, which the stdlib uses, loses both)."""
+    dtype = np.dtype(dtype)
+    if dtype.hasobject:
+        raise shm_core.SegmentError(f"inline array of dtype {dtype} holds Python objects (forged message)")
+    return np.frombuffer(data if readonly else bytearray(data), dtype).reshape(shape, order=order)
 
 
 def _dupfd(fd: int):
@@ -268,20 +304,63 @@ def _received(seg: shm_core.Segment) -> shm_core.Segment:
 
 
 def _segment_for(ref, size: int) -> shm_core.Segment:
-    kind = ref[0]
-    if kind in ("m", "c"):
+    kind = ref[0] if type(ref) is tuple and ref else None
+    if kind in ("m", "c") and len(ref) == 2 and type(ref[1]) is int:
         ctx = _current()
         if not isinstance(ctx, Incoming):
             raise shm_core.SegmentError("a message-descriptor handle was unpickled outside an arraymp channel")
         return ctx.segment(ref[1], size)
-    if kind == "d":
-        return _received(_shared.attach_fd(ref[1].detach(), size, owned=True))
-    if kind == "n":
+    if kind == "d" and len(ref) == 2 and callable(getattr(ref[1], "detach", None)):
+        fd = ref[1].detach()
+        if type(fd) is not int or fd < 0:
+            raise shm_core.SegmentError(f"array handle's DupFd gave {fd!r:.80}, not a descriptor (forged handle)")
+        return _received(_shared.attach_fd(fd, size, owned=True))
+    if kind == "n" and len(ref) == 3 and type(ref[1]) is str and type(ref[2]) is str:
+        # shm_core.attach checks the name, and that the directory is this process's (Note [untrusted handles])
         ctx = _current()
         if isinstance(ctx, Incoming):
             return ctx.named(ref[1], ref[2], size)
         return _received(_shared.attach_named(ref[1], ref[2], size))
-    raise shm_core.SegmentError(f"unknown segment reference {ref!r}")
+    raise shm_core.SegmentError(f"unknown segment reference {ref!r:.80} (forged or corrupted handle)")
+
+
+def _check_fields(size, offset, shape, strides, dtype, readonly) -> tuple[np.dtype, tuple]:
+    """A handle's dtype and strides (C order when None), once every field is checked: each comes from another
+    process, and a forged or corrupted one must raise SegmentError (a ValueError), never crash the receiver."""
+    try:
+        dtype = np.dtype(dtype)
+    except Exception as exc:  # TypeError, ValueError, ...: whatever numpy makes of a forged field
+        raise shm_core.SegmentError(f"array handle has dtype {dtype!r:.80}, not a numpy dtype ({exc}); "
+                                    "forged or corrupted handle") from None
+    if dtype.hasobject:
+        # the reducer sends such arrays pickled, never as handles: an array of them over shared
+        # bytes would dereference whatever those bytes say as object pointers
+        raise shm_core.SegmentError(f"array handle has dtype {dtype}, which holds Python objects: such arrays never "
+                                    "travel as shared memory; forged or corrupted handle, not rebuilt")
+    if dtype.subdtype is not None:
+        raise shm_core.SegmentError(f"array handle has subarray dtype {dtype}, which no array has (numpy moves it "
+                                    "into the shape); forged or corrupted handle")
+    if type(readonly) is not bool or not (size is None or type(size) is int and size >= 0) or type(offset) is not int:
+        raise shm_core.SegmentError(f"array handle has readonly={readonly!r:.80}, size={size!r:.80}, offset="
+                                    f"{offset!r:.80}: expected a bool, a non-negative int or None, and an int; "
+                                    "forged or corrupted handle")
+    if not (type(shape) is tuple and len(shape) <= 64 and all(type(n) is int and n >= 0 for n in shape)):
+        raise shm_core.SegmentError(f"array handle has shape {shape!r:.80}: not a tuple of at most 64 (numpy's "
+                                    "limit) non-negative ints; forged or corrupted handle")
+    items = 1
+    for n in shape:
+        items *= max(n, 1)
+    if items * max(dtype.itemsize, 1) >= 1 << 63:
+        raise shm_core.SegmentError(f"array handle has shape {shape!r:.80} of {dtype}: more bytes than an array "
+                                    "can hold; forged or corrupted handle")
+    if strides is None:
+        strides = _c_strides(shape, dtype.itemsize)
+    if not (type(strides) is tuple and all(type(st) is int and abs(st) < 1 << 63 for st in strides)):
+        raise shm_core.SegmentError(f"array handle has strides {strides!r:.80}: not a tuple of 64-bit ints; "
+                                    "forged or corrupted handle")
+    if len(strides) != len(shape):
+        raise shm_core.SegmentError(f"array handle has {len(shape)} dimensions but {len(strides)} strides")
+    return dtype, strides
 
 
 def _check_extent(size: int, offset: int, shape, strides, itemsize: int) -> None:
@@ -299,16 +378,23 @@ def _check_extent(size: int, offset: int, shape, strides, itemsize: int) -> None
                                     "(forged or corrupted handle)")
 
 
-def rebuild_ndarray(ref, size, offset, shape, strides, dtype, readonly):
-    """Rebuild a shared array: a view of the segment ``ref`` names."""
-    dtype = np.dtype(dtype)
-    if strides is None:
-        strides = _c_strides(shape, dtype.itemsize)
-    if len(strides) != len(shape):
-        raise shm_core.SegmentError(f"array handle has {len(shape)} dimensions but {len(strides)} strides")
-    seg = _segment_for(ref, size)
-    _check_extent(seg.size, offset, shape, strides, dtype.itemsize)
-    arr = seg.ndarray(shape, dtype, offset, strides, readonly=readonly)
+def rebuild_ndarray(ref, size, offset, shape, strides, dtype, readonly, block=None):
+    """Rebuild a shared array: a view of the segment ``ref`` names (of its arena block ``block``, if any)."""
+    seg = _segment_for(ref, size)  # first: a refused handle's descriptor or named count is taken over too
+    dtype, strides = _check_fields(size, offset, shape, strides, dtype, readonly)
+    if block is None:
+        if _shared.is_arena(seg):
+            raise shm_core.SegmentError("array handle names an arena without its block (forged or corrupted handle)")
+        _check_extent(seg.size, offset, shape, strides, dtype.itemsize)
+        arr = seg.ndarray(shape, dtype, offset, strides, readonly=readonly)
+    else:
+        base = _shared.block_view(seg, block)  # counts this process's view of the block, once
+        offset -= block + _shared.BLOCK_HEAD
+        _check_extent(base.nbytes, offset, shape, strides, dtype.itemsize)
+        arr = np.ndarray(shape, dtype, buffer=base, offset=offset, strides=strides)
+        if readonly:
+            arr.flags.writeable = False
+        seg.fetch_add(shm_core.HEADER_SIZE + block, -1)  # the message's count, now that we view it
     ctx = _current()
     if isinstance(ctx, Incoming) and ref[0] != "d":
         ctx.viewed(ref[:2], seg)  # once per segment per message, as the sender counted

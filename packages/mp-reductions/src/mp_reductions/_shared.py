@@ -6,12 +6,16 @@ segment that arrives a hundred times is mapped once, and a same-process round
 trip gives back views of the very memory that was sent. The table holds weak
 references: a segment goes when its last array goes.
 
-Note [descriptors]: a mapping needs no descriptor, but re-sending a received
-memfd segment does. Received segments keep their descriptor in a small LRU
-(``KEPT_FDS``); older ones close theirs, so a process holding 20,000 received
-arrays does not run out of descriptors. Re-sending one whose descriptor was
-closed re-opens it from /proc/self/map_files where the kernel allows, else
-sends a copy (with a warning).
+Note [descriptors]: a mapping needs no descriptor, but sending a memfd
+segment does. Every memfd segment of this process, made here or received,
+keeps its descriptor in one LRU (``_Table.fd_lru``) of at most ``fd_budget()``
+entries (a quarter of RLIMIT_NOFILE, 16 to 4096); older ones close theirs, so
+a process that makes or receives 20,000 arrays does not run out of
+descriptors. Sending one whose descriptor was closed re-opens the very same
+file from /proc/self/map_files (checked by inode), or raises with the remedy:
+a shared array is never silently sent as a copy. A descriptor handed out for
+sending may be closed by the LRU at the next segment made or received, so our
+channels send a dup of it (``Outgoing.fd_ref``).
 
 Note [named segments]: the header refcount counts holders: every process that
 maps the segment, plus one per message in flight. The sender adds the
@@ -24,17 +28,40 @@ a fork child, which holds (and tells the daemon it holds) every named segment
 it inherits. What a crash can still leak (a message lost in flight) is removed
 when the group ends.
 
-Small ``empty_shared`` arrays are carved out of per-process arenas (one segment
-holds many arrays), which keeps mappings, descriptors and messages' descriptor
-counts low; an arena is freed when its last array is gone in every process.
+Note [arenas]: small ``empty_shared`` arrays (up to ``ARENA_ITEM_MAX``) are
+blocks carved out of per-process arenas, segments of ``ARENA_SIZE`` marked by
+``ARENA_MARK`` in the header's user word, so one mapping, one descriptor and
+one handle's segment serve thousands of arrays. Each block starts with a
+64-byte head: a count word and the block's data size::
+
+    arena data:  | head(count, size) | data ... | head(count, size) | data ... |  bump -> free
+                 ^ block b                     ^ block b'
+
+A block's count is, like the recycling word (``_recycle`` Note [recycling]),
+the number of processes holding a view of the block plus the messages in
+flight naming it. A process views a block through one ``_block_base`` array
+(counted once when made, given back when it dies, inherited and counted again
+by a fork child), and every array over the block is a view of that base; a
+sender counts each array handle it sends, its receiver gives that back once
+it views the block. So while anyone can reach a block its count is above
+zero, and the allocating process may take a block back, with one
+compare-and-swap of 0 to 1, once its own view is gone and the count reads
+zero. The allocator refers to its arenas (at most ``MAX_ARENAS``) weakly; an
+arena lives while any of its arrays does, and the recycler keeps it mapped
+for ``_recycle.IDLE`` seconds after each allocation, so a producer that sends
+and drops its arrays one by one goes on carving the same arena (sending does
+not abandon it), and an idle program leaves nothing behind. A block named by
+a message that is never received, or held by a process killed while holding
+it, is not reused; its arena goes when every process has unmapped it.
 """
 
 from __future__ import annotations
 
 import collections
+import mmap
 import os
+import resource
 import threading
-import warnings
 import weakref
 from multiprocessing import util
 
@@ -45,13 +72,25 @@ import shm_manager  # before our at-fork hook: a fork child gets its own daemon 
 from ._strategy import get_sharing_strategy
 
 ALIGN = 64
-KEPT_FDS = 16
 ARENA_SIZE = 4 << 20
 ARENA_ITEM_MAX = 64 << 10
+ARENA_MARK = 0x414E4552_41504D41  # "AMPAREN A" in the header's user word: this segment is an arena
+BLOCK_HEAD = ALIGN  # a block's count word and size word (Note [arenas])
+MAX_ARENAS = 4
+_REUSE_TRIES = 8
+_HDR = shm_core.HEADER_SIZE
+
+
+def fd_budget() -> int:
+    """How many memfd descriptors this process keeps open (Note [descriptors])."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(16, min(4096, soft // 4))
 
 
 class _Table:
-    """This process's mapped segments, and the LRU of received ones' descriptors."""
+    """This process's mapped segments, and the LRU of its memfd segments' descriptors."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -63,11 +102,12 @@ class _Table:
         self.segments[key] = seg
 
     def keep_fd(self, seg: shm_core.Segment) -> None:
-        """Remember that ``seg`` holds a received descriptor; close the oldest beyond KEPT_FDS."""
+        """Remember that ``seg`` holds a descriptor; close the oldest beyond fd_budget() (lock held)."""
         lru = self.fd_lru
         lru[seg.key] = weakref.ref(seg)
         lru.move_to_end(seg.key)
-        while len(lru) > KEPT_FDS:
+        budget = fd_budget()
+        while len(lru) > budget:
             _, ref = lru.popitem(last=False)
             old = ref()
             if old is not None:
@@ -75,19 +115,26 @@ class _Table:
 
 
 _table = _Table()
+# (segment key, block) -> weakref of this process's base array of an arena block (Note [arenas])
+_blocks: dict = {}
 
 
 def _after_fork_in_child():
-    global _arena
-    # Same segments, fresh lock; the parent's arena must not be carved twice;
-    # the child now holds the named segments it inherited, so it counts them,
-    # through its own daemon connection (given back if it is killed).
+    global _arenas
+    # Same segments, fresh lock; the parent's arenas must not be carved twice;
+    # the child now holds the named segments and arena blocks it inherited, so
+    # it counts them (named ones through its own daemon connection, given back
+    # if it is killed).
     _table.lock = threading.Lock()
-    _arena = _Arena()
+    _arenas = _Arenas()
     for key, seg in list(_table.segments.items()):
         if key[0] == "n" and seg.release_hook is not None:
             seg.incref()
             shm_manager.hold(seg.name, seg.dir)
+    for (_, block), ref in list(_blocks.items()):
+        base = ref()
+        if base is not None:
+            segment_of(base)[0].fetch_add(_HDR + block, 1)
 
 
 def _release_all_named() -> None:
@@ -149,37 +196,144 @@ def new_segment(size: int, strategy: str | None = None, name: str | None = None)
     seg = shm_core.create_anonymous(size)
     with _table.lock:
         _table.add(fd_key(seg.fd), seg)
+        _table.keep_fd(seg)
     return seg
 
 
 class _Arena:
-    """Bump allocation of small shared arrays out of a few large segments."""
+    """One arena of this process's allocator: its bump pointer and the blocks it may hand out again."""
+
+    __slots__ = ("seg", "used", "starts", "free", "queued")
+
+    def __init__(self, seg: shm_core.Segment):
+        self.seg = weakref.ref(seg)  # alive while any of its arrays is, or the recycler keeps it (Note [arenas])
+        self.used = 0
+        self.starts = bytearray(seg.size // ALIGN)  # 1 where a block of this arena starts
+        self.free: dict[int, collections.deque] = {}  # data size -> blocks whose local view is gone
+        self.queued: set[int] = set()
+
+    def carve(self, seg: shm_core.Segment, size: int) -> int | None:
+        block = self.used
+        if block + BLOCK_HEAD + size > seg.size:
+            return None
+        self.used += BLOCK_HEAD + size
+        self.starts[block // ALIGN] = 1
+        seg.store(_HDR + block + 8, size)
+        seg.store(_HDR + block, 1)  # this process's view; nobody else can reach a fresh block
+        return block
+
+    def reuse(self, seg: shm_core.Segment, size: int) -> int | None:
+        """A block of ``size`` that no process views and no message names, taken (count 0 -> 1)."""
+        q = self.free.get(size)
+        for _ in range(min(len(q), _REUSE_TRIES) if q else 0):
+            block = q.popleft()
+            if seg.compare_exchange(_HDR + block, 0, 1)[0]:
+                self.queued.discard(block)
+                return block
+            q.append(block)  # still viewed somewhere, or in flight
+        return None
+
+    def dropped(self, block: int, size: int) -> None:
+        """This process's view of ``block`` is gone: a candidate for reuse."""
+        if block < self.used and self.starts[block // ALIGN] and block not in self.queued:
+            self.queued.add(block)
+            self.free.setdefault(size, collections.deque()).append(block)
+
+
+class _Arenas:
+    """This process's allocator of small shared arrays (Note [arenas])."""
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.seg = None
-        self.used = 0
         self.strategy = None
+        self.arenas: dict[int, _Arena] = {}  # header id -> arena, oldest first
+        self.dropped: collections.deque = collections.deque()  # (header id, block, size), see _block_gone
 
-    def alloc(self, nbytes: int) -> tuple[shm_core.Segment, int]:
+    def alloc(self, nbytes: int) -> tuple[shm_core.Segment, int, int] | None:
+        """``(segment, block, size)`` of a block of at least ``nbytes``; None when no arena fits in memory."""
+        size = _aligned(max(nbytes, 1))
         strategy = get_sharing_strategy()
         with self.lock:
-            seg = self.seg() if self.seg is not None else None
-            if seg is None or self.strategy != strategy or self.used + nbytes > seg.size:
+            if strategy != self.strategy:
+                self.arenas.clear()  # the others' arenas go with their arrays
+                self.strategy = strategy
+            while self.dropped:
+                ident, block, bsize = self.dropped.popleft()
+                arena = self.arenas.get(ident)
+                if arena is not None:
+                    arena.dropped(block, bsize)
+            newest = None
+            for ident, arena in reversed(list(self.arenas.items())):
+                seg = arena.seg()
+                if seg is None:
+                    del self.arenas[ident]
+                    continue
+                newest = newest or (arena, seg)
+                block = arena.reuse(seg, size)
+                if block is not None:
+                    return seg, block, size
+            block = newest[0].carve(newest[1], size) if newest else None
+            if block is not None:
+                return newest[1], block, size
+            try:
                 seg = new_segment(ARENA_SIZE)
-                self.seg, self.used, self.strategy = weakref.ref(seg), 0, strategy
-            offset = self.used
-            self.used = _aligned(offset + nbytes)
-            return seg, offset
+            except shm_core.SharedMemoryFullError:
+                return None
+            seg.store(shm_core.USER_OFFSET, ARENA_MARK)
+            arena = self.arenas[seg.id] = _Arena(seg)
+            if len(self.arenas) > MAX_ARENAS:
+                del self.arenas[next(iter(self.arenas))]  # it goes when no process views it
+            return seg, arena.carve(seg, size), size
 
 
-_arena = _Arena()
+_arenas = _Arenas()
 os.register_at_fork(after_in_child=_after_fork_in_child)
 util.register_after_fork(_table, lambda table: _ensure_exit_hook(again=True))
 
 
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) & ~(ALIGN - 1)
+
+
+def _block_gone(seg: shm_core.Segment, block: int, size: int, key, ref) -> None:
+    if _blocks.get(key) is ref:
+        del _blocks[key]
+    seg.fetch_add(_HDR + block, -1)
+    _arenas.dropped.append((seg.id, block, size))  # taken up by the allocator, under its lock
+
+
+def _block_base(seg: shm_core.Segment, block: int, size: int, *, counted: bool) -> np.ndarray:
+    """This process's base array over an arena block's data (``counted``: the caller counted it)."""
+    key = (seg.key, block)
+    ref = _blocks.get(key)
+    base = ref() if ref is not None else None
+    if base is None:
+        lo = block + BLOCK_HEAD
+        base = np.frombuffer(memoryview(seg)[lo:lo + size], np.uint8)
+        if not counted:
+            seg.fetch_add(_HDR + block, 1)
+        ref = weakref.ref(base, lambda r, key=key: _block_gone(seg, block, size, key, r))
+        _blocks[key] = ref
+    return base
+
+
+def is_arena(seg: shm_core.Segment) -> bool:
+    return seg.load(shm_core.USER_OFFSET) == ARENA_MARK
+
+
+def block_view(seg: shm_core.Segment, block) -> np.ndarray:
+    """This process's base array over block ``block`` of the arena ``seg``, named by a handle (untrusted)."""
+    if not is_arena(seg):
+        raise shm_core.SegmentError("array handle names an arena block of a segment that is not an arena "
+                                    "(forged or corrupted handle)")
+    if type(block) is not int or block < 0 or block % ALIGN or block + BLOCK_HEAD > seg.size:
+        raise shm_core.SegmentError(f"array handle names arena block {block!r}, not a block start of a "
+                                    f"{seg.size}-byte arena (forged or corrupted handle)")
+    size = seg.load(_HDR + block + 8)
+    if not 0 < size <= seg.size - block - BLOCK_HEAD or size % ALIGN:
+        raise shm_core.SegmentError(f"arena block {block} claims {size} bytes, past its {seg.size}-byte arena "
+                                    "(forged or corrupted handle)")
+    return _block_base(seg, block, size, counted=False)
 
 
 def _nbytes(shape, dtype) -> tuple[tuple, np.dtype, int]:
@@ -195,12 +349,16 @@ def empty_shared(shape, dtype=float, order: str = "C") -> np.ndarray:
     shape, dtype, nbytes = _nbytes(shape, dtype)
     if order not in ("C", "F"):
         raise ValueError(f"order must be 'C' or 'F', got {order!r}")
-    if nbytes <= ARENA_ITEM_MAX:
-        seg, offset = _arena.alloc(nbytes)
-    else:
-        seg, offset = new_segment(nbytes), 0
     strides = None if order == "C" else _f_strides(shape, dtype.itemsize)
-    return seg.ndarray(shape, dtype, offset, strides)
+    got = _arenas.alloc(nbytes) if nbytes <= ARENA_ITEM_MAX else None
+    if got is not None:
+        seg, block, size = got
+        from . import _recycle  # (it imports this module)
+
+        _recycle.received(seg)  # the arena outlives its arrays while in use (Note [arenas])
+        return np.ndarray(shape, dtype, buffer=_block_base(seg, block, size, counted=True), strides=strides)
+    # large, or no arena fits in memory: a segment of the array's own size (its error names what was asked)
+    return new_segment(nbytes).ndarray(shape, dtype, 0, strides)
 
 
 def zeros_shared(shape, dtype=float, order: str = "C") -> np.ndarray:
@@ -228,7 +386,17 @@ def segment_of(arr: np.ndarray) -> tuple[shm_core.Segment, int] | None:
         base = base.obj
     if not isinstance(base, shm_core.Segment):
         return None
-    return base, shm_core.address(arr) - base.address - shm_core.HEADER_SIZE
+    return base, shm_core.address(arr) - base.address - _HDR
+
+
+def block_of(arr: np.ndarray, seg: shm_core.Segment) -> int | None:
+    """The arena block ``arr`` lies in (None: ``seg`` is not an arena)."""
+    if not is_arena(seg):
+        return None
+    base = arr
+    while not isinstance(base.base, memoryview):
+        base = base.base
+    return shm_core.address(base) - seg.address - _HDR - BLOCK_HEAD
 
 
 def is_shared(arr) -> bool:
@@ -244,18 +412,7 @@ def share_memory(obj):
     a model's parameters should be shared before starting workers.
     """
     todo = []
-
-    def collect(o):
-        if type(o) is np.ndarray and not o.dtype.hasobject and segment_of(o) is None:
-            todo.append(o)
-        elif isinstance(o, dict):
-            for v in o.values():
-                collect(v)
-        elif isinstance(o, (list, tuple)):
-            for v in o:
-                collect(v)
-
-    collect(obj)
+    _collect(obj, todo)
     if not todo:
         return obj
     offsets, total = {}, 0
@@ -271,19 +428,32 @@ def share_memory(obj):
                               if order == "F" else None)
             np.copyto(dst, a, casting="no")
             copies[id(a)] = dst
+    return _rebuild(obj, copies)
 
-    def rebuild(o):
-        if type(o) is np.ndarray:
-            return copies.get(id(o), o)
-        if isinstance(o, dict):
-            return type(o)((k, rebuild(v)) for k, v in o.items())
-        if isinstance(o, tuple) and hasattr(o, "_fields"):
-            return type(o)(*(rebuild(v) for v in o))
-        if isinstance(o, (list, tuple)):
-            return type(o)(rebuild(v) for v in o)
-        return o
 
-    return rebuild(obj)
+# Module functions, not closures: a recursive closure is a reference cycle that would keep the copies (and
+# so the segment) alive until the next garbage collection.
+def _collect(o, todo: list) -> None:
+    if type(o) is np.ndarray and not o.dtype.hasobject and segment_of(o) is None:
+        todo.append(o)
+    elif isinstance(o, dict):
+        for v in o.values():
+            _collect(v, todo)
+    elif isinstance(o, (list, tuple)):
+        for v in o:
+            _collect(v, todo)
+
+
+def _rebuild(o, copies: dict):
+    if type(o) is np.ndarray:
+        return copies.get(id(o), o)
+    if isinstance(o, dict):
+        return type(o)((k, _rebuild(v, copies)) for k, v in o.items())
+    if isinstance(o, tuple) and hasattr(o, "_fields"):
+        return type(o)(*(_rebuild(v, copies) for v in o))
+    if isinstance(o, (list, tuple)):
+        return type(o)(_rebuild(v, copies) for v in o)
+    return o
 
 
 # ---------------------------------------------------------------------- attaching
@@ -336,25 +506,48 @@ def attach_named(name: str, dir: str, size: int | None) -> shm_core.Segment:
         return _adopt_named(seg)
 
 
-def fd_for_sending(seg: shm_core.Segment) -> int:
-    """A descriptor of ``seg`` to send (see Note [descriptors])."""
-    if seg.fd >= 0:
-        if seg.key in _table.fd_lru:
-            _table.fd_lru.move_to_end(seg.key)
-        return seg.fd
-    start = seg.address
-    try:
-        fd = os.open(f"/proc/self/map_files/{start:x}-{start + seg.length:x}", os.O_RDWR | os.O_CLOEXEC)
-    except OSError:
-        return -1
-    seg.fd = fd
+def fd_for_sending(seg: shm_core.Segment, *, dup: bool = False) -> int:
+    """This process's descriptor of the memfd segment ``seg``, re-opened if the LRU closed it (Note
+    [descriptors]): valid until the next segment is made or received here, or (``dup``) a new one that the
+    caller closes. Raises OSError when it cannot be re-opened."""
     with _table.lock:
+        if seg.fd >= 0:
+            if seg.key in _table.fd_lru:
+                _table.fd_lru.move_to_end(seg.key)
+            return os.dup(seg.fd) if dup else seg.fd
+    fd = _reopen(seg)
+    with _table.lock:
+        if seg.fd >= 0:  # another thread re-opened it meanwhile
+            os.close(fd)
+        else:
+            seg.fd = fd
         _table.keep_fd(seg)
+        return os.dup(seg.fd) if dup else seg.fd
+
+
+def _reopen(seg: shm_core.Segment) -> int:
+    """A new descriptor of the file ``seg`` maps, through /proc/self/map_files (the kernel names a mapping
+    by its page-rounded range)."""
+    start = seg.address
+    end = start + -(-seg.length // mmap.PAGESIZE) * mmap.PAGESIZE
+    try:
+        fd = os.open(f"/proc/self/map_files/{start:x}-{end:x}", os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot send this shared array: this process keeps {fd_budget()} shared-memory "
+                      "descriptors open (a quarter of its open-files limit) and this segment's was closed; "
+                      f"re-opening it from /proc/self/map_files failed ({exc.strerror}; it needs "
+                      "CAP_CHECKPOINT_RESTORE or CAP_SYS_ADMIN). Raise the limit (ulimit -n), keep fewer "
+                      "large shared arrays alive (small ones share arenas; arraymp.share_memory packs many into "
+                      "one segment), or use the 'file_system' sharing strategy, whose segments re-open by name") \
+            from None
+    if fd_key(fd) != seg.key:
+        os.close(fd)
+        raise shm_core.SegmentError("/proc/self/map_files named another file than the segment's; not sending it")
     return fd
 
 
-def warn_copy_resend() -> None:
-    warnings.warn("re-sending a received array whose descriptor was closed (more than "
-                  f"{KEPT_FDS} received segments are alive) sends a copy; the receiver will not "
-                  "share memory with this process. Use the 'file_system' strategy to forward many arrays.",
-                  ResourceWarning, stacklevel=4)
+def release_fd(seg: shm_core.Segment) -> None:
+    """Close ``seg``'s descriptor now (the mapping stays); sending it later re-opens it."""
+    with _table.lock:
+        _table.fd_lru.pop(getattr(seg, "key", None), None)
+        seg.close_fd()

@@ -10,6 +10,8 @@ registered with shm_manager, whose daemon and ``gc`` remove what a crash left.
 
 from __future__ import annotations
 
+import shm_manager
+
 _STRATEGIES = ("file_descriptor", "file_system")
 _settings = {"strategy": "file_descriptor", "threshold": 64 * 1024}
 
@@ -25,9 +27,16 @@ def get_sharing_strategy() -> str:
 
 
 def set_sharing_strategy(new_strategy: str) -> None:
-    """Choose ``'file_descriptor'`` or ``'file_system'`` for this process."""
+    """Choose ``'file_descriptor'`` or ``'file_system'`` for this process.
+
+    ``file_system`` makes this process a member of its shm_manager group at once (OSError, with the remedy,
+    when the segment directory is unusable): a group is proved dead when no member is left, and named
+    segments on their way to this process must not be cleaned up before it has them.
+    """
     if new_strategy not in _STRATEGIES:
         raise ValueError(f"unknown sharing strategy {new_strategy!r}; valid ones are: {', '.join(_STRATEGIES)}")
+    if new_strategy == "file_system":
+        shm_manager.member()
     _settings["strategy"] = new_strategy
 
 

@@ -8,6 +8,7 @@ back. cupy is imported lazily: ``import shm_cuda`` works without cupy or a
 GPU, and CUDA work then raises NoDeviceError with the remedy.
 """
 
+
 from ._cache import ImportCache, Mapping
 from ._cuda import (
     busy_slots,
@@ -59,4 +60,12 @@ __all__ = [
     "rebuild_cupy_array",
     "reduce_cupy_array",
 ]
-__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # the version lives in pyproject.toml only, read on first use: importing stays fast
+    if name == "__version__":
+        from importlib.metadata import version
+
+        return version("shm-cuda")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -97,7 +97,8 @@ def _driver():
     u64, size_t, i32 = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int
     for name, args in (("cuMemGetAddressRange_v2", [ctypes.POINTER(u64), ctypes.POINTER(size_t), u64]),
                        ("cuDeviceGet", [ctypes.POINTER(i32), i32]),
-                       ("cuDeviceGetUuid_v2", [ctypes.c_char_p, i32])):
+                       ("cuDeviceGetUuid_v2", [ctypes.c_char_p, i32]),
+                       ("cuDriverGetVersion", [ctypes.POINTER(i32)])):
         fn = getattr(lib, name, None)
         if fn is None:
             return None
@@ -113,6 +114,14 @@ def _call(name: str, *args) -> None:
     rc = getattr(lib, name)(*args)
     if rc != 0:
         raise _DriverError(name, rc)
+
+
+def driver_version() -> int | None:
+    """The CUDA version the NVIDIA driver supports (12040 for 12.4), or None without a driver; initialises nothing."""
+    lib, version = _driver(), ctypes.c_int()
+    if lib is None or lib.cuDriverGetVersion(ctypes.byref(version)) != 0:
+        return None
+    return version.value
 
 
 class _DriverError(Exception):

@@ -2,9 +2,10 @@
 
 Named arraymp segments carry the token of the process group that made them
 (the first arraymp process and its descendants). Every member holds a lock on
-the group's lock file while it lives, so a dead group is proved, not guessed.
-A per-group daemon, started on first ``register()``, unlinks what the group
-registered (and every file of the group) once all its processes are gone;
+the group's lock file from its first named segment on, so a dead group is
+proved, not guessed. A per-group daemon, started on first ``register()``,
+unlinks what the group registered (and every file of the group) once all its
+processes are gone;
 ``gc()`` / ``shm-manager gc`` and the startup sweep of the next arraymp program
 remove what a group left when its daemon died with it. Nothing of a live group
 or of another user is ever touched.
@@ -12,7 +13,7 @@ or of another user is ever touched.
 
 from ._client import daemon_pid, flush, hold, register, release, unregister
 from ._gc import gc, list_segments, stats
-from ._group import current_group, group, join_group, new_name
+from ._group import current_group, group, join_group, member, new_name
 from ._paths import runtime_dir
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "hold",
     "join_group",
     "list_segments",
+    "member",
     "new_name",
     "register",
     "release",
@@ -31,4 +33,12 @@ __all__ = [
     "stats",
     "unregister",
 ]
-__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # the version lives in pyproject.toml only, read on first use: importing stays fast
+    if name == "__version__":
+        from importlib.metadata import version
+
+        return version("shm-manager")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,18 +1,23 @@
-"""The per-process connection to the group's daemon: ``register`` / ``unregister``.
+"""The per-process connections to the group's daemons: ``register`` / ``unregister`` / ``hold`` / ``release``.
 
 Adapts the client half of CPython's ``multiprocessing/resource_tracker.py``:
-one stream connection per process (a forked child drops the parent's and
-makes its own), small framed messages, no replies. A call appends a frame and
-sends it with MSG_DONTWAIT (one syscall, no round trip); what the socket does
-not take now goes with the next call. The daemon is started on first need;
-when it is gone (killed), the next call starts a new one and sends it every
-name this process still has registered. Nothing here ever raises: without a
-daemon the group keeps working, and a dead group's segments are still removed
-by the next daemon, ``gc`` or the next program's startup sweep.
+one stream connection per process and segment directory (a forked child drops
+the parent's and makes its own), small framed messages, no replies. A call
+appends a frame and sends it with MSG_DONTWAIT (one syscall, no round trip);
+what the socket does not take now goes with the next call. The daemon of a
+directory serves only that directory and group (Note [Daemon input] in
+_daemon.py), so a name goes to the daemon of the directory it is in and of the
+group its name carries, which need not be this process's (Note [Holds across
+groups] in _group.py). The daemon is started on
+first need; when it is gone (killed), the next call starts a new one and sends
+it every name this process still has registered. Nothing here ever raises:
+when no daemon can be had, that is said once (a RuntimeWarning) and the group
+works on; its segments are then removed when it ends (Note [End of a group] in
+_group.py), or by the next program's sweep or ``gc``.
 
-Frame: ``<u32 length><op><dir>\\0<name>``, op ``R`` (register) or ``U``,
-``H`` (this process holds one count of the segment's refcount) or ``X`` (the
-daemon takes one count back for it: unlinking at zero).
+Frame: ``<u32 length><op><name>``, op ``R`` (register) or ``U``, ``H`` (this
+process holds one count of the segment's refcount) or ``X`` (the daemon takes
+one count back for it: unlinking at zero).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import struct
 import sys
 import threading
 import time
+import warnings
 
 import shm_core
 
@@ -34,50 +40,100 @@ _RETRY_AFTER = 1.0
 
 
 class _Conn:
+    """This process's connection to the daemon of one group in one segment directory."""
+
     sock: socket.socket | None = None
-    pid: int = 0
-    pending: bytearray
-    names: set
-    holds: dict
     next_try: float = 0.0
 
-    def __init__(self):
+    def __init__(self, shm: str, token: str):
+        self.shm, self.token = shm, token
         self.pending = bytearray()
-        self.names = set()
-        self.holds = {}  # (dir, name) -> counts this process holds
-        self.pid = os.getpid()
+        self.names: set[str] = set()
+        self.holds: dict[str, int] = {}  # name -> counts this process holds
 
 
-_conn = _Conn()
-_lock = threading.Lock()
+class _Lock:
+    """The lock over the connections, and the releases that arrived while this thread held it.
+
+    Note [release from a collection]: a garbage collection can run inside any
+    allocation, also while this thread holds the lock (in register, say), and
+    free a named segment whose ``__del__`` calls release(). Taking the lock
+    again would hang; touching the connection then would interleave with the
+    half-done change of the holder (its pending bytes, its holds being sent on
+    a reconnect). So such a release is only queued, and the holder makes it,
+    in full, before it lets the lock go.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+        self.deferred: list[tuple[str, object]] = []
+
+    def held_here(self) -> bool:
+        return self._owner == threading.get_ident()
+
+    def __enter__(self):
+        self._lock.acquire()
+        self._owner = threading.get_ident()
+
+    def __exit__(self, *exc):
+        try:
+            while self.deferred:
+                _release_locked(*self.deferred.pop())
+        finally:
+            self._owner = None
+            self._lock.release()
+
+
+_conns: dict[tuple[str, str], _Conn] = {}
+_lock = _Lock()
 _closing = False
+_warned = False
 
 
-def _frame(op: bytes, d: str, name: str) -> bytes:
-    payload = op + os.fsencode(d) + b"\0" + os.fsencode(name)
+def _frame(op: bytes, name: str) -> bytes:
+    payload = op + os.fsencode(name)
     return struct.pack("<I", len(payload)) + payload
 
 
-def _tell(c: _Conn, op: bytes, d: str, name: str, connect: bool = True) -> None:
+def _key(dir) -> str:
+    return os.path.abspath(shm_core.shm_dir(dir))
+
+
+def _conn(dir, token: str) -> _Conn:
+    """Under _lock."""
+    key = _key(dir), token
+    c = _conns.get(key)
+    if c is None:
+        c = _conns[key] = _Conn(*key)
+    return c
+
+
+def _token(name: str) -> str:
+    """The group a segment name carries (this process's own for a name of no group)."""
+    parsed = _paths.parse(name)
+    return parsed[2] if parsed is not None else _group.group()
+
+
+def _tell(c: _Conn, op: bytes, name: str, connect: bool = True) -> None:
     """Send one change; unconnected, connect instead (when ``connect``), which sends every name and
     hold, this change included. Under _lock."""
     if c.sock is None:
         if connect:
             _connect(c)
     else:
-        c.pending += _frame(op, d, name)
+        c.pending += _frame(op, name)
     _drain(c)
 
 
 def register(name: str, dir: str | os.PathLike | None = None) -> None:
     """Tell the group's daemon about a named segment (fire-and-forget; never raises)."""
     try:
-        d = shm_core.shm_dir(dir)
-        _group.group()
+        token = _group.member(dir, _token(name))[0]
         with _lock:
-            c = _conn
-            c.names.add((d, name))
-            _tell(c, b"R", d, name)
+            c = _conn(dir, token)
+            c.names.add(name)
+            _tell(c, b"R", name)
     except Exception:
         pass
 
@@ -85,11 +141,10 @@ def register(name: str, dir: str | os.PathLike | None = None) -> None:
 def unregister(name: str, dir: str | os.PathLike | None = None) -> None:
     """Tell the daemon a segment was unlinked (fire-and-forget; never raises)."""
     try:
-        d = shm_core.shm_dir(dir)
         with _lock:
-            c = _conn
-            c.names.discard((d, name))
-            _tell(c, b"U", d, name, connect=bool(c.names))
+            c = _conn(dir, _token(name))
+            c.names.discard(name)
+            _tell(c, b"U", name, connect=bool(c.names))
     except Exception:
         pass
 
@@ -99,15 +154,15 @@ def hold(name: str, dir: str | os.PathLike | None = None) -> None:
 
     Should this process die holding it, the daemon gives the count back (and
     unlinks the segment when that was the last): a SIGKILLed consumer does not
-    pin a segment until its whole group ends.
+    pin a segment until its whole group ends. The segment may be of another
+    group (Note [Holds across groups] in _group.py).
     """
     try:
-        d = shm_core.shm_dir(dir)
-        _group.group()
+        token = _group.member(dir, _token(name))[0]
         with _lock:
-            c = _conn
-            c.holds[(d, name)] = c.holds.get((d, name), 0) + 1
-            _tell(c, b"H", d, name)
+            c = _conn(dir, token)
+            c.holds[name] = c.holds.get(name, 0) + 1
+            _tell(c, b"H", name)
     except Exception:
         pass
 
@@ -120,29 +175,38 @@ def release(name: str, dir: str | os.PathLike | None = None) -> bool:
     False: no daemon knows of the hold; the caller takes the count off itself.
     """
     try:
-        d = shm_core.shm_dir(dir)
-        with _lock:
-            c = _conn
-            n = c.holds.get((d, name), 0)
-            if n <= 1:
-                c.holds.pop((d, name), None)
-            else:
-                c.holds[(d, name)] = n - 1
-            if c.sock is None or not n:
+        if _lock.held_here():  # from a collection inside our own critical section: Note [release from a collection]
+            c = _conns.get((_key(dir), _token(name)))
+            if c is None or c.sock is None or not c.holds.get(name):
                 return False
-            c.pending += _frame(b"X", d, name)
-            # the daemon must see the release soon (it unlinks at zero): a full socket
-            # waits for it a little, rather than holding the frame until the next call
-            _send_pending(c, 1.0)
+            _lock.deferred.append((name, dir))
             return True
+        with _lock:
+            return _release_locked(name, dir)
     except Exception:
         return False
 
 
+def _release_locked(name: str, dir) -> bool:
+    c = _conn(dir, _token(name))
+    n = c.holds.get(name, 0)
+    if n <= 1:
+        c.holds.pop(name, None)
+    else:
+        c.holds[name] = n - 1
+    if c.sock is None or not n:
+        return False
+    c.pending += _frame(b"X", name)
+    # the daemon must see the release soon (it unlinks at zero): a full socket
+    # waits for it a little, rather than holding the frame until the next call
+    _send_pending(c, 1.0)
+    return True
+
+
 def flush(timeout: float = 1.0) -> bool:
-    """Send what is buffered, waiting up to ``timeout``; True when nothing is left."""
+    """Send what is buffered, waiting up to ``timeout`` per daemon; True when nothing is left."""
     with _lock:
-        return _send_pending(_conn, timeout)
+        return all([_send_pending(c, timeout) for c in _conns.values()])
 
 
 def _send_pending(c: _Conn, timeout: float) -> bool:
@@ -156,10 +220,13 @@ def _send_pending(c: _Conn, timeout: float) -> bool:
     return not c.pending
 
 
-def daemon_pid() -> int | None:
-    """The pid of the daemon this process is connected to (connecting if needed), or None."""
+def daemon_pid(dir: str | os.PathLike | None = None) -> int | None:
+    """The pid of the daemon this process is connected to for ``dir`` (connecting if needed), or None."""
+    token = _group.current_group()
+    if token is None:
+        return None
     with _lock:
-        c = _conn
+        c = _conn(dir, token)
         if c.sock is None:
             _connect(c, force=True)
             _drain(c)
@@ -196,35 +263,45 @@ def _drain(c: _Conn) -> None:
 
 
 def _connect(c: _Conn, force: bool = False) -> bool:
+    global _warned
     if _closing or (not force and time.monotonic() < c.next_try):
         return False
-    token = _group.current_group()
-    if token is None:
-        return False
-    addr = _paths.socket_address(os.getuid(), token)
-    sock = _try_connect(addr)
+    token, rdir = c.token, _group.runtime_dir_of(c.shm, c.token)
+    if rdir is None:
+        return False  # not a member there (yet): nothing of ours to watch
+    sock = _try_connect(rdir, token)
     if sock is None:
         try:
-            _start_daemon(token)
+            _start_daemon(token, rdir, c.shm)
         except Exception:  # no python to run, no room for a process: the group works on without
             pass
-        sock = _try_connect(addr)
+        sock = _try_connect(rdir, token)
     if sock is None:
         c.next_try = time.monotonic() + _RETRY_AFTER
+        if not _warned:
+            _warned = True
+            warnings.warn(f"shm-manager: no cleanup daemon could be started for {c.shm} (see "
+                          f"{os.path.join(rdir, _paths.LOG_NAME)}): named segments of processes killed from now on "
+                          "are removed when the program ends, by the next arraymp program, or by `shm-manager gc`",
+                          RuntimeWarning, stacklevel=4)
         return False
     c.sock = sock
-    c.pending = bytearray(b"".join(_frame(b"R", d, n) for d, n in c.names))
-    c.pending += b"".join(_frame(b"H", d, n) * k for (d, n), k in c.holds.items())
+    c.pending = bytearray(b"".join(_frame(b"R", n) for n in c.names))
+    c.pending += b"".join(_frame(b"H", n) * k for n, k in c.holds.items())
     return True
 
 
-def _try_connect(addr: bytes) -> socket.socket | None:
+def _try_connect(rdir: str, token: str) -> socket.socket | None:
+    try:
+        rfd = os.open(rdir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(2.0)
-        sock.connect(addr)
+        sock.connect(_paths.socket_address(rfd, token))
         _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-        if uid != os.getuid():  # somebody else squats the address: never talk to it
+        if uid != os.getuid():  # never talk to anybody else
             sock.close()
             return None
         sock.settimeout(None)
@@ -232,26 +309,20 @@ def _try_connect(addr: bytes) -> socket.socket | None:
     except OSError:
         sock.close()
         return None
+    finally:
+        os.close(rfd)
 
 
-def _start_daemon(token: str) -> None:
+def _start_daemon(token: str, rdir: str, shm: str) -> None:
     """Run ``python -m shm_manager._daemon``; it returns once the daemon listens (see _daemon.py)."""
     import subprocess
 
-    st = _group._state
-    rdir = st.rdir or _paths.runtime_dir()
-    log = os.path.join(rdir, _paths.LOG_NAME)
-    try:
-        if os.stat(log).st_size > (1 << 20):
-            os.replace(log, log + ".1")
-    except OSError:
-        pass
     pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "shm_manager._daemon", "--group", token, "--runtime-dir", rdir,
-           "--dir", st.shm or shm_core.shm_dir()]
-    logfd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    cmd = [sys.executable, "-m", "shm_manager._daemon", "--group", token, "--runtime-dir", rdir, "--dir", shm]
+    logfd = os.open(os.path.join(rdir, _paths.LOG_NAME), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC |
+                    os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
     try:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=logfd,
                                 close_fds=True, start_new_session=True, cwd="/", env=env)
@@ -266,15 +337,15 @@ def _start_daemon(token: str) -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _lock, _conn
-    _lock = threading.Lock()
-    old = _conn
-    _conn = _Conn()
-    if old.sock is not None:
-        try:  # the parent keeps using the connection: close only our copy of the descriptor
-            os.close(old.sock.detach())
-        except OSError:
-            pass
+    global _lock, _conns
+    _lock = _Lock()
+    old, _conns = _conns, {}
+    for c in old.values():
+        if c.sock is not None:
+            try:  # the parent keeps using the connection: close only our copy of the descriptor
+                os.close(c.sock.detach())
+            except OSError:
+                pass
 
 
 def _at_exit() -> None:

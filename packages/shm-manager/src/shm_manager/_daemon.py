@@ -3,16 +3,17 @@
 Adapts CPython's ``multiprocessing/resource_tracker.py`` (and loky's): EOF on
 a client's connection means that client is gone; the daemon ignores SIGINT,
 SIGTERM and SIGHUP; messages are small frames; it warns about what it cleaned.
-What changed: one daemon per group (not per process tree root), found at an
-abstract AF_UNIX address derived from uid and group, started on first need by
+What changed: one daemon per group and segment directory (not per process tree
+root), found at ``<runtime dir>/<group>.sock`` (the runtime dir is 0700: no other
+user can reach the socket, nor take its name first), started on first need by
 any member, and the end of the group is proved with the group lock::
 
-    client A --R/U frames--> +--------+   all connections at EOF
-    client B --R/U frames--> | daemon |   + linger (0.5 s) with no newcomer
-    client C --R/U frames--> +--------+   + LOCK_EX on the group lock succeeds
-                                  |
-                                  v
-              unlink registered names + every file of the group, log, exit
+    client A --frames--> +--------+   all connections at EOF
+    client B --frames--> | daemon |   + linger (0.5 s) with no newcomer
+    client C --frames--> +--------+   + LOCK_EX on the group lock succeeds
+                              |
+                              v
+          unlink registered names + every file of the group, log, exit
 
 The daemon holds no group lock: if it did, a hung daemon would keep its group
 "alive" for ``gc`` forever. Instead it waits, after its last client left, until
@@ -21,19 +22,34 @@ attached segments never connects) is left. Killed, it is replaced on the next
 register() of any member; killed together with the whole group, the next
 program's startup sweep or ``shm-manager gc`` removes what is left.
 
+Note [Daemon input]
+~~~~~~~~~~~~~~~~~~~
+A frame is ``<u32 length><op><name>``: a name, never a path. The daemon acts
+only inside the one directory it was started for (``--dir``), through a
+descriptor of it, only on names of its own group's pattern (no ``/``), and
+only on regular files owned by its uid, opened with ``O_NOFOLLOW``; it unlinks
+with ``unlinkat`` on that descriptor. A connection from another uid is closed
+at once; refusals are logged at most once per ``_REFUSAL_INTERVAL``, and the
+log is capped (``_paths.log``).
+
 Start-up: the first process binds and listens in a forked grandchild, reports
 over a pipe and exits, so the caller's ``wait()`` returns once the address
 accepts connections and the daemon is nobody's child (no zombie, own session).
-A second daemon for the same group finds the address taken and exits.
+A second daemon for the same group finds the socket answering and exits; a
+socket nobody answers on (its daemon was killed) is replaced, under an flock of
+the runtime directory so that two starting daemons do not both replace it.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import fcntl
 import os
 import selectors
 import signal
 import socket
+import stat
 import struct
 import sys
 import time
@@ -42,26 +58,19 @@ import shm_core
 
 from . import _gc, _paths
 
-_MAX_FRAME = 16 << 10
-
-
-def _log(group: str, msg: str) -> None:
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime())
-    try:
-        sys.stderr.write(f"{stamp} shm-manager[{os.getpid()}] WARNING group {group}: {msg}\n")
-        sys.stderr.flush()
-    except (OSError, ValueError):
-        pass
+_MAX_FRAME = 4 << 10
+_REFUSAL_INTERVAL = 10.0
 
 
 class Daemon:
-    def __init__(self, listener: socket.socket, group: str, rdir: str, shm: str, linger: float):
-        self.listener, self.group, self.rdir, self.linger = listener, group, rdir, linger
+    def __init__(self, listener: socket.socket, group: str, rdir: str, dfd: int, linger: float):
+        self.listener, self.group, self.rdir, self.dfd, self.linger = listener, group, rdir, dfd, linger
         self.uid = os.getuid()
-        self.dirs = {shm}
-        self.names: set[tuple[str, str]] = set()
+        self.names: set[str] = set()
         self.clients: dict[socket.socket, bytearray] = {}
-        self.holds: dict[socket.socket, dict[tuple[str, str], int]] = {}  # counts each client holds
+        self.holds: dict[socket.socket, dict[str, int]] = {}  # counts each client holds
+        self.refused: dict[int, int] = {}  # uid -> connections refused since the last log line
+        self.refusals_logged = -_REFUSAL_INTERVAL
         self.sel = selectors.DefaultSelector()
         self.sel.register(listener, selectors.EVENT_READ)
         self.pattern = _paths.group_pattern(self.uid, group)
@@ -95,12 +104,23 @@ class Daemon:
             return
         _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
         if uid != self.uid:
-            _log(self.group, f"refused a connection from uid {uid}")
             conn.close()
+            self.refused[uid] = self.refused.get(uid, 0) + 1
+            if time.monotonic() - self.refusals_logged >= _REFUSAL_INTERVAL:
+                self._log_refusals()
             return
         conn.setblocking(False)
         self.clients[conn] = bytearray()
         self.sel.register(conn, selectors.EVENT_READ)
+
+    def _log_refusals(self) -> None:
+        """One line for every refusal since the last one (Note [Daemon input])."""
+        if self.refused:
+            who = ", ".join(f"uid {uid} ({n})" for uid, n in sorted(self.refused.items()))
+            _paths.log(self.rdir, self.group, f"refused {sum(self.refused.values())} connection(s) of other "
+                                              f"users: {who}")
+            self.refused.clear()
+        self.refusals_logged = time.monotonic()
 
     def _read(self, conn: socket.socket) -> bool:
         try:
@@ -116,49 +136,54 @@ class Daemon:
         while len(buf) >= 4:
             (n,) = struct.unpack_from("<I", buf)
             if n > _MAX_FRAME or n < 2:
-                _log(self.group, "dropped a client that sent a malformed frame")
+                _paths.log(self.rdir, self.group, "dropped a client that sent a malformed frame")
                 return False
             if len(buf) < 4 + n:
                 break
-            payload = bytes(buf[4:4 + n])
+            op, name = bytes(buf[4:5]), os.fsdecode(bytes(buf[5:4 + n]))
             del buf[:4 + n]
-            op, rest = payload[:1], payload[1:]
-            d, sep, name = rest.partition(b"\0")
-            d, name = os.fsdecode(d), os.fsdecode(name)
-            if not sep or "/" in name or not os.path.isabs(d) or not self.pattern.fullmatch(name):
-                continue  # only names of this group, ever
+            if not self.pattern.fullmatch(name):
+                continue  # only names of this group, ever (Note [Daemon input])
             if op == b"R":
-                self.names.add((d, name))
-                self.dirs.add(d)
+                self.names.add(name)
             elif op == b"U":
-                self.names.discard((d, name))
+                self.names.discard(name)
             elif op == b"H":
                 holds = self.holds.setdefault(conn, {})
-                holds[(d, name)] = holds.get((d, name), 0) + 1
+                holds[name] = holds.get(name, 0) + 1
             elif op == b"X":
                 holds = self.holds.setdefault(conn, {})
-                if holds.get((d, name), 0) > 0:
-                    holds[(d, name)] -= 1
-                    self._decref(d, name, 1, None)
+                if holds.get(name, 0) > 0:
+                    holds[name] -= 1
+                    self._decref(name, 1, None)
         return True
 
     def _release_holds(self, conn: socket.socket) -> None:
         """A client died holding counts: give them back, unlinking what nobody holds any more."""
-        for (d, name), n in self.holds.pop(conn, {}).items():
+        for name, n in self.holds.pop(conn, {}).items():
             if n > 0:
-                self._decref(d, name, n, "a process died holding it")
+                self._decref(name, n, "a process died holding it")
 
-    def _decref(self, d: str, name: str, n: int, why: str | None) -> None:
+    def _decref(self, name: str, n: int, why: str | None) -> None:
         try:
-            seg = shm_core.attach(name, d)
-        except (OSError, ValueError):
+            fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.dfd)
+        except OSError:
             return
         try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != self.uid:
+                return
+            seg = shm_core.attach_fd(fd)
+        except (OSError, ValueError):
+            return
+        finally:
+            os.close(fd)
+        try:
             if seg.decref(n) <= 0:
-                shm_core.unlink(name, d)
-                self.names.discard((d, name))
+                os.unlink(name, dir_fd=self.dfd)
+                self.names.discard(name)
                 if why:
-                    _log(self.group, f"{why}; removed {name} ({seg.size:,} bytes)")
+                    _paths.log(self.rdir, self.group, f"{why}; removed {name} ({seg.size:,} bytes)")
         except OSError:
             pass
         finally:
@@ -166,25 +191,47 @@ class Daemon:
 
     def _finish_if_dead(self) -> bool:
         try:
-            fd = _paths.take_if_dead(self.rdir, self.group)
-        except FileNotFoundError:
-            fd = -1  # somebody proved the group dead and cleaned up already
+            removed = _gc.end_group(self.group, self.rdir, self.dfd, sorted(self.names))
         except OSError as exc:
-            _log(self.group, f"cannot check the group lock: {exc}")
+            _paths.log(self.rdir, self.group, f"cannot check the group lock: {exc}")
             return False
-        if fd is None:
+        if removed is None:
             return False
-        try:
-            removed = _gc.remove_group(self.group, sorted(self.dirs), sorted(self.names))
-        finally:
-            if fd >= 0:
-                _paths.release_dead(fd, self.rdir, self.group)
-        if removed:
-            total = sum(size for _, size in removed)
-            listed = ", ".join(path for path, _ in removed)
-            _log(self.group, f"all processes of the group ended; removed {len(removed)} leaked segment(s), "
-                             f"{total:,} bytes: {listed}")
+        self._log_refusals()
         return True
+
+
+def _listen(rdir: str, group: str) -> socket.socket | None:
+    """The group's listening socket in ``rdir``; None when a live daemon has it (see the start-up above)."""
+    rfd = os.open(rdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if os.fstat(rfd).st_uid != os.getuid():
+            raise PermissionError(errno.EPERM, "runtime directory not owned by this user", rdir)
+        addr = _paths.socket_address(rfd, group)
+        fcntl.flock(rfd, fcntl.LOCK_EX)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            try:
+                listener.bind(addr)
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                    probe.settimeout(5.0)
+                    try:
+                        probe.connect(addr)
+                        listener.close()
+                        return None  # the group has its daemon
+                    except ConnectionRefusedError:  # left by a killed daemon
+                        os.unlink(group + _paths.SOCK_SUFFIX, dir_fd=rfd)
+                listener.bind(addr)
+            listener.listen(128)
+            return listener
+        except BaseException:
+            listener.close()
+            raise
+    finally:
+        os.close(rfd)  # drops the flock
 
 
 def main(argv=None) -> int:
@@ -212,21 +259,23 @@ def main(argv=None) -> int:
             os.setsid()
         except OSError:
             pass
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        listener.bind(_paths.socket_address(os.getuid(), args.group))
-    except OSError:  # EADDRINUSE: the group has its daemon
+        dfd = _gc.open_dir(args.dir)
+        listener = _listen(args.runtime_dir, args.group)
+    except OSError as exc:
+        _paths.log(args.runtime_dir, args.group, f"cannot start the daemon: {exc}")
+        os._exit(1)
+    if listener is None:
         os.write(w, b"A")
         os._exit(0)
-    listener.listen(128)
     os.write(w, b"L")
     os.close(w)
     try:
-        Daemon(listener, args.group, args.runtime_dir, args.dir, linger).serve()
+        Daemon(listener, args.group, args.runtime_dir, dfd, linger).serve()
     except Exception as exc:  # pragma: no cover - logged for the user, then the group falls back on gc
         import traceback
 
-        _log(args.group, f"daemon failed: {exc!r}\n{traceback.format_exc()}")
+        _paths.log(args.runtime_dir, args.group, f"daemon failed: {exc!r}\n{traceback.format_exc()}")
         return 1
     return 0
 

@@ -5,7 +5,9 @@ Only files that are (a) named ``<prefix><our uid>_<group>_<pid>_<random>``,
 Note [Proof of death] in _paths.py) are ever removed. A group without a lock
 file is 'unknown': plain ``gc`` leaves its segments alone; ``orphans=True``
 removes those whose creating pid no longer exists in this pid namespace, which
-is a guess and therefore opt-in.
+is a guess and therefore opt-in. Files are found, checked and unlinked by name
+inside the directory, through a descriptor of it (``unlinkat``), never
+following a link: a path from anywhere else is never touched.
 """
 
 from __future__ import annotations
@@ -24,24 +26,42 @@ DEFAULT_PREFIXES = (shm_core.DEFAULT_PREFIX,)
 _HEAD = struct.Struct("<8sIIQqQq")  # magic, version, flags, size, pid, id, refcount
 
 
-def _entries(d: str) -> list[dict]:
-    """Our uid's segment-named regular files in ``d`` (owned by us)."""
+def open_dir(d: str) -> int:
+    """A descriptor of the segment directory ``d``: everything below works by name inside it."""
+    return os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+def _ours(dfd: int, name: str) -> os.stat_result | None:
+    """The stat of ``name`` in ``dfd`` when it is a regular file owned by us (never following a link), else None."""
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    return st if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() else None
+
+
+def _unlink(dfd: int, name: str) -> bool:
+    try:
+        os.unlink(name, dir_fd=dfd)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _entries(dfd: int) -> list[dict]:
+    """Our uid's segment-named regular files in the directory ``dfd`` (owned by us)."""
     uid = os.getuid()
     out = []
-    with os.scandir(d) as it:
-        for de in it:
-            parsed = _paths.parse(de.name)
-            if parsed is None or parsed[1] != uid:
-                continue
-            try:
-                st = de.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
-                continue  # named like ours but not ours: never touched
-            prefix, _uid, group, pid = parsed
-            out.append({"name": de.name, "path": de.path, "prefix": prefix, "group": group, "pid": pid,
-                        "bytes": st.st_size, "ctime": st.st_ctime})
+    for name in os.listdir(dfd):
+        parsed = _paths.parse(name)
+        if parsed is None or parsed[1] != uid:
+            continue
+        st = _ours(dfd, name)
+        if st is None:
+            continue  # named like ours but not ours: never touched
+        prefix, _uid, group, pid = parsed
+        out.append({"name": name, "prefix": prefix, "group": group, "pid": pid, "bytes": st.st_size,
+                    "ctime": st.st_ctime})
     return out
 
 
@@ -55,47 +75,36 @@ def _pid_gone(pid: int) -> bool:
         return False
 
 
-def _unlink(path: str) -> bool:
-    try:
-        os.unlink(path)
-        return True
-    except FileNotFoundError:
-        return False
-
-
-def remove_group(group: str, dirs, names=()) -> list[tuple[str, int]]:
-    """Unlink a dead group's segments: the given ``(dir, name)`` pairs and every file of the
-    group in ``dirs``. The caller must hold the proof (LOCK_EX on the group's lock)."""
-    uid = os.getuid()
-    pat = _paths.group_pattern(uid, group)
+def remove_group(group: str, dfd: int, names=()) -> list[tuple[str, int]]:
+    """Unlink a dead group's segments in the directory ``dfd``: the given names and every file of the group.
+    The caller must hold the proof (LOCK_EX on the group's lock)."""
+    pat = _paths.group_pattern(os.getuid(), group)
     removed = []
-    seen = set()
-    for d, name in names:
-        if not pat.fullmatch(name) or "/" in name:
+    for name in dict.fromkeys([*names, *os.listdir(dfd)]):
+        if not pat.fullmatch(name):
             continue
-        path = os.path.join(d, name)
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            continue
-        if stat.S_ISREG(st.st_mode) and st.st_uid == uid and _unlink(path):
-            removed.append((path, st.st_size))
-            seen.add(path)
-    for d in dirs:
-        try:
-            it = os.scandir(d)
-        except OSError:
-            continue
-        with it:
-            for de in it:
-                if de.path in seen or not pat.fullmatch(de.name):
-                    continue
-                try:
-                    st = de.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                if stat.S_ISREG(st.st_mode) and st.st_uid == uid and _unlink(de.path):
-                    removed.append((de.path, st.st_size))
+        st = _ours(dfd, name)
+        if st is not None and _unlink(dfd, name):
+            removed.append((name, st.st_size))
+    return removed
+
+
+def end_group(group: str, rdir: str, dfd: int, names=()) -> list[tuple[str, int]] | None:
+    """When the group's lock proves it dead, remove what is left of it in ``dfd`` (segments, then its socket and
+    lock in ``rdir``) and log that; None while it lives. Note [Proof of death] in _paths.py."""
+    try:
+        fd = _paths.take_if_dead(rdir, group)
+    except FileNotFoundError:
+        return []  # whoever proved it dead cleaned up already
+    if fd is None:
+        return None
+    try:
+        removed = remove_group(group, dfd, names)
+    finally:
+        _paths.release_dead(fd, rdir, group)
+    if removed:
+        _paths.log(rdir, group, f"all processes of the group ended; removed {len(removed)} leaked segment(s), "
+                                f"{sum(size for _, size in removed):,} bytes: {', '.join(n for n, _ in removed)}")
     return removed
 
 
@@ -107,58 +116,63 @@ def gc(dry_run: bool = False, dir: str | os.PathLike | None = None, *, prefixes=
     (an 'unknown' group) only ``prefixes`` count, and only with ``orphans``.
     Lock files of dead groups are removed too.
     """
-    d = shm_core.shm_dir(dir)
-    rdir = _paths.runtime_dir(dir, create=False)
+    dfd = open_dir(shm_core.shm_dir(dir))
+    try:
+        return _gc(dfd, _paths.runtime_dirs(dir), dry_run, prefixes, orphans)
+    finally:
+        os.close(dfd)
+
+
+def _gc(dfd: int, rdirs: list[str], dry_run: bool, prefixes, orphans: bool) -> list[tuple[str, int]]:
     groups: dict[str, list[dict]] = {}
-    for e in _entries(d):
+    for e in _entries(dfd):
         groups.setdefault(e["group"], []).append(e)
     removed: list[tuple[str, int]] = []
     for group, entries in groups.items():
         try:
-            fd = _paths.take_if_dead(rdir, group)
-        except FileNotFoundError:
-            fd = -1
+            rdir, fd = _paths.take_if_dead_anywhere(rdirs, group)
         except OSError:
             continue
-        if fd is None:
+        if rdir is not None and fd is None:
             continue  # alive: never touched
         try:
-            if fd == -1:  # no lock file: 'unknown'
+            if rdir is None:  # no lock file: 'unknown'
                 entries = [e for e in entries if e["prefix"] in prefixes]
                 if not orphans or not entries or not all(_pid_gone(e["pid"]) for e in entries):
                     continue
             for e in entries:
-                if dry_run or _unlink(e["path"]):
+                if dry_run or _unlink(dfd, e["name"]):
                     removed.append((e["name"], e["bytes"]))
         finally:
-            if fd >= 0:
+            if fd is not None:
                 _paths.release_dead(fd, rdir, group, remove=not dry_run)
     if not dry_run:
-        _remove_stale_locks(rdir, set(groups))
+        _remove_stale_locks(rdirs, set(groups))
     return removed
 
 
-def _remove_stale_locks(rdir: str, skip: set) -> None:
-    try:
-        names = os.listdir(rdir)
-    except OSError:
-        return
-    for fname in names:
-        group = fname[: -len(_paths.LOCK_SUFFIX)]
-        if not fname.endswith(_paths.LOCK_SUFFIX) or group in skip or not _paths.GROUP_RE.fullmatch(group):
-            continue
+def _remove_stale_locks(rdirs: list[str], skip: set) -> None:
+    for rdir in rdirs:
         try:
-            fd = _paths.take_if_dead(rdir, group)
+            names = os.listdir(rdir)
         except OSError:
             continue
-        if fd is not None:
-            _paths.release_dead(fd, rdir, group)
+        for fname in names:
+            group = fname[: -len(_paths.LOCK_SUFFIX)]
+            if not fname.endswith(_paths.LOCK_SUFFIX) or group in skip or not _paths.GROUP_RE.fullmatch(group):
+                continue
+            try:
+                fd = _paths.take_if_dead(rdir, group)
+            except OSError:
+                continue
+            if fd is not None:
+                _paths.release_dead(fd, rdir, group)
 
 
-def _header(path: str) -> tuple[int | None, int | None]:
+def _header(dfd: int, name: str) -> tuple[int | None, int | None]:
     """(creator pid, refcount) from the segment header, or Nones."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
     except OSError:
         return None, None
     try:
@@ -183,19 +197,23 @@ def list_segments(dir: str | os.PathLike | None = None) -> list[dict]:
     refcount (from the header, None when unreadable), age (seconds).
     """
     d = shm_core.shm_dir(dir)
-    rdir = _paths.runtime_dir(dir, create=False)
+    rdirs = _paths.runtime_dirs(dir)
     states: dict[str, str] = {}
     now = time.time()
     out = []
-    for e in _entries(d):
-        group = e["group"]
-        if group not in states:
-            states[group] = _paths.group_state(rdir, group)
-        creator, refcount = _header(e["path"])
-        out.append({"name": e["name"], "path": e["path"], "bytes": e["bytes"],
-                    "size": max(0, e["bytes"] - shm_core.HEADER_SIZE), "group": group, "state": states[group],
-                    "pid": e["pid"], "creator_pid": creator, "refcount": refcount,
-                    "age": round(max(0.0, now - e["ctime"]), 3)})
+    dfd = open_dir(d)
+    try:
+        for e in _entries(dfd):
+            group = e["group"]
+            if group not in states:
+                states[group] = _paths.group_state(rdirs, group)
+            creator, refcount = _header(dfd, e["name"])
+            out.append({"name": e["name"], "path": os.path.join(d, e["name"]), "bytes": e["bytes"],
+                        "size": max(0, e["bytes"] - shm_core.HEADER_SIZE), "group": group, "state": states[group],
+                        "pid": e["pid"], "creator_pid": creator, "refcount": refcount,
+                        "age": round(max(0.0, now - e["ctime"]), 3)})
+    finally:
+        os.close(dfd)
     out.sort(key=lambda s: -s["age"])
     return out
 

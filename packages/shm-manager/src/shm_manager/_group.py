@@ -2,17 +2,52 @@
 
 A group is the first arraymp process and its descendants::
 
-    main (creates group g3f..., LOCK_SH on g3f....lock, sets $ARRAYMP_GROUP)
+    main (group() makes token g3f..., sets $ARRAYMP_GROUP; no file yet)
      |- fork child        module state inherited; re-locks on its own file description
-     |- spawn/forkserver  reads $ARRAYMP_GROUP (or join_group(token)) and locks
-     `- daemon            started on first register(); holds no lock (see _daemon.py)
+     |- spawn/forkserver  reads $ARRAYMP_GROUP (or join_group(token))
+     |  ...               first named segment made or received in dir D: LOCK_SH on D's g3f....lock
+     `- daemon            one per group and D, started on first register(); holds no lock (see _daemon.py)
 
-Every member holds LOCK_SH on the group's lock file for as long as it lives,
-so the group is dead exactly when LOCK_EX can be taken (Note [Proof of death]
-in _paths.py). Segment names carry the group token, so anybody can tell which
-group a segment belongs to. The first process of a new group sweeps the shm
-directory once for segments of dead groups (cheap: one listdir, one
-non-blocking flock per distinct group).
+``group()`` and ``join_group()`` touch no file: ``import arraymp`` (which calls
+``group()``) works with any $ARRAYMP_SHM_DIR and leaves nothing in /dev/shm. A
+process becomes a member in a directory, holding LOCK_SH on the group's lock
+file there for as long as it lives (Note [Proof of death] in _paths.py), at
+its first named segment in it: ``new_name()`` before making one, ``register()``
+and ``hold()``. That is where a missing or unusable directory is reported.
+Segment names carry the group token, so anybody can tell which group a
+segment belongs to.
+
+Note [Holds across groups]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+A process may hold segments of groups other than its own (a Dask worker
+holds what a client of another program sent it). ``hold()`` makes it a member
+of the segment's group in that directory too (``member(dir, token)``: LOCK_SH
+on that group's lock, kept until the process dies) and tells that group's
+daemon. So a segment lives while any process on the node holds it, whatever
+its group: the creating group is not proved dead while a holder lives, and
+the holder's count is given back by that group's daemon when it dies, even
+by SIGKILL. Switching group (``join_group``) keeps these foreign locks.
+
+Note [Startup sweep]
+~~~~~~~~~~~~~~~~~~~~
+The process that makes a new token (the first arraymp process of a program)
+sweeps the default shm directory once for segments of dead groups, at that
+``group()`` call (so at ``import arraymp``): one listdir, one non-blocking flock
+per distinct group. It creates nothing; it removes only what gc would, and it
+never fails the caller.
+
+Note [End of a group]
+~~~~~~~~~~~~~~~~~~~~~
+The main process (the one that made the token), exiting normally, closes its
+locks and, where that proves the group dead (in the dirs it was a member of,
+and the default shm dir), removes what is left of it there: segments, the
+daemon's socket, the lock file. So a program leaves nothing, even when no
+daemon ran (its first segment could not be made) or none could be started.
+Other members leave that to the daemon: a child that ends right after sending
+a segment to a parent that has had none yet (so is no member) would otherwise
+remove it under the parent, with no linger. The daemon does the same when
+members are killed; the next program's sweep, or ``shm-manager gc``, when the
+daemon was killed too.
 
 Note [Locks and fork]
 ~~~~~~~~~~~~~~~~~~~~~
@@ -31,6 +66,7 @@ stale module state: a parent can pass ``group()`` along and the child call
 
 from __future__ import annotations
 
+import atexit
 import os
 import secrets
 import threading
@@ -42,10 +78,12 @@ from . import _paths
 
 class _State:
     token: str | None = None
-    fd: int = -1
     pid: int = 0
-    rdir: str | None = None
-    shm: str | None = None
+    root: bool = False  # this process made the token: the main process of the program
+
+    def __init__(self):
+        # (shm dir, group) -> (our LOCK_SH fd, runtime dir) where we are a member (Note [Holds across groups])
+        self.locks: dict[tuple[str, str], tuple[int, str]] = {}
 
 
 _state = _State()
@@ -53,10 +91,7 @@ _lock = threading.Lock()
 
 
 def group() -> str:
-    """This process's group token (no ``_`` in it), creating or joining the group on first call.
-
-    From then on this process holds the group's liveness lock until it exits.
-    """
+    """This process's group token (no ``_`` in it): ``$ARRAYMP_GROUP``, else a new one. Touches no file."""
     st = _state
     if st.token is not None and st.pid == os.getpid():
         return st.token
@@ -64,9 +99,11 @@ def group() -> str:
         if st.token is None or st.pid != os.getpid():
             token = os.environ.get(_paths.GROUP_ENV, "")
             if _paths.GROUP_RE.fullmatch(token):
-                _join(token)
+                _adopt(token)
             else:
-                _create()
+                _adopt("g" + secrets.token_hex(6))
+                st.root = True
+                _startup_sweep()
         return st.token
 
 
@@ -77,13 +114,8 @@ def join_group(token: str) -> str:
                          "pass the value of shm_manager.group() from the parent")
     with _lock:
         if _state.token != token or _state.pid != os.getpid():
-            _join(token)
+            _adopt(token)
     return token
-
-
-def new_name(prefix: str = shm_core.DEFAULT_PREFIX) -> str:
-    """A segment name of this group: ``<prefix><uid>_<group>_<pid>_<16 hex>``."""
-    return shm_core.segment_name(prefix, group())
 
 
 def current_group() -> str | None:
@@ -92,39 +124,60 @@ def current_group() -> str | None:
     return st.token if st.token is not None and st.pid == os.getpid() else None
 
 
-def _adopt(token: str, fd: int, rdir: str, shm: str) -> None:
-    old = _state.fd
-    _state.token, _state.fd, _state.pid, _state.rdir, _state.shm = token, fd, os.getpid(), rdir, shm
+def member(dir: str | os.PathLike | None = None, token: str | None = None) -> tuple[str, str, str]:
+    """``(token, runtime dir, shm dir)``: this process is now a member of its group (or of the group ``token``,
+    Note [Holds across groups]) in ``dir``.
+
+    Raises OSError naming the directory and the remedy when it cannot be used.
+    """
+    own = group()  # first: this process's state is its own, also when it holds another group's segment
+    token = token or own
+    shm = os.path.abspath(shm_core.shm_dir(dir))
+    with _lock:
+        got = _state.locks.get((shm, token))
+        if got is None:
+            try:
+                rdir = _paths.runtime_dir(shm, group=token)
+                got = _paths.open_lock(_paths.lock_path(rdir, token)), rdir
+            except OSError as exc:
+                raise OSError(exc.errno, f"cannot use {shm} for named shared-memory segments ({exc.strerror}: "
+                              f"{exc.filename}); set ARRAYMP_SHM_DIR to a tmpfs directory you can write "
+                              "(default /dev/shm), or use the 'file_descriptor' sharing strategy", shm) from exc
+            _state.locks[(shm, token)] = got
+    return token, got[1], shm
+
+
+def runtime_dir_of(shm: str, token: str) -> str | None:
+    """The runtime dir where this process is a member of ``token`` for the shm dir ``shm`` (absolute), else None."""
+    got = _state.locks.get((shm, token))
+    return got[1] if got is not None and _state.pid == os.getpid() else None
+
+
+def new_name(prefix: str = shm_core.DEFAULT_PREFIX) -> str:
+    """A segment name of this group for the shm directory: ``<prefix><uid>_<group>_<pid>_<16 hex>``.
+
+    Makes this process a member there first (see :func:`member`).
+    """
+    return shm_core.segment_name(prefix, member()[0])
+
+
+def _adopt(token: str) -> None:
+    st = _state
+    if token != st.token:  # the old group's locks go; those of segments held across groups stay
+        for key in [key for key in st.locks if key[1] == st.token]:
+            os.close(st.locks.pop(key)[0])
+    st.token, st.pid, st.root = token, os.getpid(), False
     os.environ[_paths.GROUP_ENV] = token
-    if old >= 0 and old != fd:
-        os.close(old)
-
-
-def _join(token: str) -> None:
-    rdir = _paths.runtime_dir()
-    fd = _paths.open_lock(_paths.lock_path(rdir, token))
-    _adopt(token, fd, rdir, shm_core.shm_dir())
-
-
-def _create() -> None:
-    rdir = _paths.runtime_dir()
-    while True:
-        token = "g" + secrets.token_hex(6)
-        fd = _paths.open_lock(_paths.lock_path(rdir, token), exclusive_create=True)
-        if fd >= 0:
-            break
-    _adopt(token, fd, rdir, shm_core.shm_dir())
-    _startup_sweep()
 
 
 def _startup_sweep() -> None:
-    """A new arraymp program removes what dead groups left (crash matrix 5)."""
+    """Note [Startup sweep]."""
     if os.environ.get("ARRAYMP_MANAGER_SWEEP", "1") == "0":
         return
     from . import _gc
 
     try:
-        _gc.gc(dir=_state.shm)
+        _gc.gc()
     except Exception:  # a sweep must never break the program that runs it
         pass
 
@@ -135,12 +188,40 @@ def _after_fork_in_child() -> None:
     st = _state
     if st.token is None:
         return
-    try:
-        fd = _paths.open_lock(_paths.lock_path(st.rdir, st.token))
-    except OSError:
-        st.pid = os.getpid()  # keep the inherited description: it is locked too
+    st.pid, st.root = os.getpid(), False
+    for (shm, token), (old, rdir) in list(st.locks.items()):
+        try:
+            fd = _paths.open_lock(_paths.lock_path(rdir, token))
+        except OSError:
+            continue  # keep the inherited description: it is locked too
+        st.locks[(shm, token)] = fd, rdir
+        os.close(old)
+
+
+def _at_exit() -> None:
+    """Note [End of a group]."""
+    from . import _gc
+
+    st = _state
+    if st.pid != os.getpid() or not st.root:
         return
-    _adopt(st.token, fd, st.rdir, st.shm)
+    held, st.locks = st.locks, {}
+    for fd, _rdir in held.values():
+        os.close(fd)
+    locks = {shm: got for (shm, token), got in held.items() if token == st.token}
+    # also the default dir where only children (leaving by os._exit) were members
+    default = os.path.abspath(shm_core.shm_dir())
+    for shm in {**locks, default: None}:
+        try:
+            rdir = locks[shm][1] if shm in locks else _paths.runtime_dir(shm, create=False, group=st.token)
+            dfd = _gc.open_dir(shm)
+            try:
+                _gc.end_group(st.token, rdir, dfd)
+            finally:
+                os.close(dfd)
+        except Exception:  # exiting anyway; the next program's sweep removes what is left
+            pass
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(_at_exit)

@@ -1,0 +1,35 @@
+"""mp-dask: the same ``Pool`` / ``ProcessPoolExecutor`` code on a Dask cluster.
+
+``arraymp.get_context("dask", ...)`` returns a ``DaskContext``; its Pool and
+ProcessPoolExecutor keep the stdlib's signatures and run their tasks on Dask
+workers. Arrays go between processes of one node as arraymp shared-memory
+handles, between nodes as Dask's usual bytes.
+"""
+
+from ._context import DaskContext
+from ._executor import ProcessPoolExecutor
+from ._pool import Pool
+from ._transport import reset_transfer_counters, transfer_counters
+
+__all__ = [
+    "DaskContext",
+    "Pool",
+    "ProcessPoolExecutor",
+    "get_context",
+    "reset_transfer_counters",
+    "transfer_counters",
+]
+
+
+def get_context(address=None, n_workers=None, threads_per_worker=1, **kwargs) -> DaskContext:
+    """``arraymp.get_context("dask", ...)``: see :class:`DaskContext`."""
+    return DaskContext(address, n_workers, threads_per_worker, **kwargs)
+
+
+def __getattr__(name):
+    # the version lives in pyproject.toml only, read on first use: importing stays fast
+    if name == "__version__":
+        from importlib.metadata import version
+
+        return version("mp-dask")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,66 @@
+"""``ProcessPoolExecutor`` on a Dask cluster (adapts ``concurrent/futures/process.py``).
+
+Returns real ``concurrent.futures.Future`` objects, set from the callbacks of
+our tasks (see _tasks.py); ``map`` chunks as the stdlib's does, with its own
+helpers. ``max_workers`` is what ``_max_workers`` reports (Dask decides where
+tasks run); ``max_tasks_per_child`` is accepted and checked but not applied.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from concurrent import futures
+from concurrent.futures.process import _chain_from_iterable_of_lists, _get_chunks, _process_chunk
+
+from ._tasks import Tasks, apply_star
+
+
+class ProcessPoolExecutor(futures.Executor):
+    """``concurrent.futures.ProcessPoolExecutor`` whose calls run on the workers of a Dask cluster."""
+
+    def __init__(self, max_workers=None, initializer=None, initargs=(), max_tasks_per_child=None, *, context):
+        if max_workers is not None and max_workers <= 0:
+            raise ValueError("max_workers must be greater than 0")
+        if max_tasks_per_child is not None and (not isinstance(max_tasks_per_child, int) or max_tasks_per_child <= 0):
+            raise ValueError("max_tasks_per_child must be >= 1")
+        self._tasks = Tasks(context, initializer, initargs)
+        self._max_workers = max_workers or context.cpu_count()
+        self._lock = threading.Lock()
+        self._futures: dict = {}  # our Future -> its Dask task
+        self._shutdown = False
+
+    def submit(self, fn, /, *args, **kwargs):
+        with self._lock:
+            if self._shutdown:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            f = futures.Future()
+            self._futures[f] = None
+            (self._futures[f],) = self._tasks.submit(apply_star, fn, [(args, kwargs)],
+                                                     functools.partial(self._finished, f))
+        return f
+
+    def _finished(self, f, _i, success, value) -> None:
+        with self._lock:
+            self._futures.pop(f, None)
+        if f.set_running_or_notify_cancel():  # False: cancelled meanwhile, nothing to set
+            if success:
+                f.set_result(value)
+            else:
+                f.set_exception(value)
+
+    def map(self, fn, *iterables, timeout=None, chunksize=1):
+        if chunksize < 1:
+            raise ValueError("chunksize must be >= 1.")
+        results = super().map(functools.partial(_process_chunk, fn), _get_chunks(*iterables, chunksize=chunksize),
+                              timeout=timeout)
+        return _chain_from_iterable_of_lists(results)
+
+    def shutdown(self, wait=True, *, cancel_futures=False):
+        with self._lock:
+            self._shutdown = True
+            pending = list(self._futures.items()) if cancel_futures else []
+        self._tasks.cancel([task for f, task in pending if task is not None and f.cancel()])
+        if wait:
+            self._tasks.wait()
+            self._tasks.close()

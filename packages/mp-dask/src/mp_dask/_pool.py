@@ -1,0 +1,128 @@
+"""``Pool`` on a Dask cluster: the stdlib's API and result objects, tasks run by Dask.
+
+Adapts ``multiprocessing/pool.py``: ``ApplyResult``, ``MapResult``,
+``IMapIterator`` and ``IMapUnorderedIterator`` are the stdlib's own, fed by
+the callbacks of our tasks (see _tasks.py) instead of a result-handler thread.
+``processes`` only sizes the default chunks (Dask decides where and how many
+tasks run at once: one per worker thread); ``maxtasksperchild`` is accepted and
+checked but not applied (Dask workers are shared, long-lived processes).
+"""
+
+from __future__ import annotations
+
+import itertools
+from multiprocessing.pool import ApplyResult as _ApplyResult
+from multiprocessing.pool import IMapIterator, IMapUnorderedIterator, MapResult
+
+from ._tasks import Tasks, apply_star, call_star, map_star, starmap_star
+
+RUN, CLOSE, TERMINATE = "RUN", "CLOSE", "TERMINATE"
+
+
+def _chunks(items: list, size: int) -> list:
+    it = iter(items)
+    return list(iter(lambda: list(itertools.islice(it, size)), []))
+
+
+class Pool:
+    """``multiprocessing.pool.Pool`` whose tasks run on the workers of a Dask cluster."""
+
+    _state = TERMINATE  # a half-built pool is safe to terminate
+
+    def __init__(self, processes=None, initializer=None, initargs=(), maxtasksperchild=None, *, context):
+        if processes is not None and processes < 1:
+            raise ValueError("Number of processes must be at least 1")
+        if maxtasksperchild is not None and (not isinstance(maxtasksperchild, int) or maxtasksperchild <= 0):
+            raise ValueError("maxtasksperchild must be a positive int or None")
+        self._cache: dict = {}
+        self._tasks = Tasks(context, initializer, initargs)
+        self._processes = processes or context.cpu_count()
+        self._state = RUN
+
+    def _check_running(self) -> None:
+        if self._state != RUN:
+            raise ValueError("Pool not running")
+
+    def _submit(self, result, star, func, payloads) -> None:
+        self._tasks.submit(star, func, payloads, lambda i, success, value: result._set(i, (success, value)))
+
+    def apply(self, func, args=(), kwds={}):  # noqa: B006 - the stdlib's signature
+        return self.apply_async(func, args, kwds).get()
+
+    def apply_async(self, func, args=(), kwds={}, callback=None, error_callback=None):  # noqa: B006
+        self._check_running()
+        result = _ApplyResult(self, callback, error_callback)
+        self._submit(result, apply_star, func, [(tuple(args), dict(kwds))])
+        return result
+
+    def map(self, func, iterable, chunksize=None):
+        return self._map_async(func, iterable, map_star, chunksize).get()
+
+    def starmap(self, func, iterable, chunksize=None):
+        return self._map_async(func, iterable, starmap_star, chunksize).get()
+
+    def map_async(self, func, iterable, chunksize=None, callback=None, error_callback=None):
+        return self._map_async(func, iterable, map_star, chunksize, callback, error_callback)
+
+    def starmap_async(self, func, iterable, chunksize=None, callback=None, error_callback=None):
+        return self._map_async(func, iterable, starmap_star, chunksize, callback, error_callback)
+
+    def _map_async(self, func, iterable, star, chunksize=None, callback=None, error_callback=None):
+        self._check_running()
+        items = list(iterable)
+        if chunksize is None:
+            chunksize, extra = divmod(len(items), self._processes * 4)
+            chunksize += bool(extra)
+        if chunksize < 1 and items:
+            raise ValueError(f"Chunksize must be 1+, not {chunksize:n}")
+        result = MapResult(self, chunksize if items else 0, len(items), callback, error_callback=error_callback)
+        self._submit(result, star, func, _chunks(items, chunksize) if items else [])
+        return result
+
+    def imap(self, func, iterable, chunksize=1):
+        return self._imap(IMapIterator, func, iterable, chunksize)
+
+    def imap_unordered(self, func, iterable, chunksize=1):
+        return self._imap(IMapUnorderedIterator, func, iterable, chunksize)
+
+    def _imap(self, kind, func, iterable, chunksize):
+        self._check_running()
+        if chunksize < 1:
+            raise ValueError(f"Chunksize must be 1+, not {chunksize:n}")
+        items, result = list(iterable), kind(self)
+        payloads = items if chunksize == 1 else _chunks(items, chunksize)
+        self._submit(result, call_star if chunksize == 1 else map_star, func, payloads)
+        result._set_length(len(payloads))
+        return result if chunksize == 1 else (item for chunk in result for item in chunk)
+
+    def close(self) -> None:
+        if self._state == RUN:
+            self._state = CLOSE
+
+    def terminate(self) -> None:
+        """Cancel every pending task (its result then raises CancelledError) and let the workers go."""
+        if not hasattr(self, "_tasks"):
+            return
+        self._state = TERMINATE
+        self._tasks.cancel()
+        self._tasks.wait()
+        self._tasks.close()
+
+    def join(self) -> None:
+        if self._state == RUN:
+            raise ValueError("Pool is still running")
+        self._tasks.wait()
+        self._tasks.close()
+
+    def __enter__(self):
+        self._check_running()
+        return self
+
+    def __exit__(self, *exc):
+        self.terminate()
+
+    def __reduce__(self):
+        raise NotImplementedError("pool objects cannot be passed between processes or pickled")
+
+    def __repr__(self):
+        return f"<{type(self).__name__} state={self._state} pending={len(self._tasks.pending)}>"

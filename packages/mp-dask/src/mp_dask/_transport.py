@@ -1,0 +1,190 @@
+"""How task arguments and results cross Dask's comms: handles on one node, bytes between nodes.
+
+Dask moves data between the client and its workers over TCP, serializing each
+value with the families it knows and a ``context`` naming the peer. The Pool
+and the executor of this package wrap every task's arguments and every result
+in a ``Shipped``, whose Dask serializer picks the transport per message::
+
+    client --Shipped(args)--> worker          same node: arrays >= the inline threshold as named
+    client <--Shipped(result)-- worker        segments (a name, a few dozen bytes); other node,
+                                              or no recipient (spilling): pickle-5 frames
+
+Note [Same-node transport]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+A recipient is on this node when its address is a loopback address or one of
+this host's. An array sent to it goes through ``mp_reductions.reduce_ndarray``
+under the ``file_system`` strategy: one already in a named segment travels as
+its handle, any other is copied once into a new named segment (descriptors
+cannot cross TCP, so a process that sends handles over Dask uses
+``file_system`` from then on). The handle carries one in-flight count of the
+segment that the receiver takes over (Note [named segments] in mp_reductions'
+_shared.py), and the receiver holds it through the segment's group daemon even
+when it belongs to another program's group (Note [Holds across groups] in
+shm_manager's _group.py): a segment lives while any process of the node holds
+it and goes with its last holder, SIGKILL included. Received arrays are
+writable views, as on the local contexts. Arrays under the inline threshold,
+and everything sent to another node, go as Dask sends numpy arrays: pickle
+protocol 5 with the array data as separate frames, copied on arrival when a
+frame is read-only.
+
+What a peer sends is unpickled, as Dask unpickles everything its comms carry
+(its trust model: every process of the cluster is the user's); the handles in
+it are checked like any other by mp_reductions (the segment's name, its
+directory being this process's, its header and size).
+
+A Shipped is serialized once per send: Dask replicating or moving a result
+makes one handle (one in-flight count) per copy sent. A message that is lost
+(its recipient killed before reading it) leaves its count until the creating
+group ends.
+
+Counters (this process; ``DaskContext.transfer_counters`` sums a cluster):
+``handles_sent``, ``inband_array_bytes`` (array data that went as bytes),
+``sends`` (messages with a recipient), ``sends_without_recipient``.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import ipaddress
+import pickle
+import socket
+import threading
+
+import cloudpickle
+import numpy as np
+import shm_core
+from distributed.protocol import dask_deserialize, dask_serialize
+from mp_reductions import (
+    empty_shared,
+    get_inline_threshold,
+    get_sharing_strategy,
+    reduce_ndarray,
+    set_sharing_strategy,
+)
+
+_COUNTERS = ("handles_sent", "inband_array_bytes", "sends", "sends_without_recipient")
+_counts = dict.fromkeys(_COUNTERS, 0)
+_counts_lock = threading.Lock()
+
+
+class Shipped:
+    """A task's arguments or result on its way through Dask (see the module header)."""
+
+    __slots__ = ("value", "same_node")
+
+    def __init__(self, value, same_node: bool = True):
+        self.value, self.same_node = value, same_node
+
+
+def transfer_counters() -> dict[str, int]:
+    """This process's transfer counters (Note [Same-node transport])."""
+    with _counts_lock:
+        return dict(_counts)
+
+
+def reset_transfer_counters() -> None:
+    with _counts_lock:
+        for k in _counts:
+            _counts[k] = 0
+
+
+def _count(**kw) -> None:
+    with _counts_lock:
+        for k, n in kw.items():
+            _counts[k] += n
+
+
+@functools.lru_cache(maxsize=1)
+def _local_addresses() -> frozenset:
+    import psutil  # a dependency of distributed
+
+    found = {socket.gethostname(), "localhost"}
+    for addrs in psutil.net_if_addrs().values():
+        found.update(a.address.split("%")[0] for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6))
+    return frozenset(found)
+
+
+def recipient_host(context) -> str | None:
+    """The host of the peer a message goes to, from the ``context`` Dask serializes it with; None: unknown."""
+    try:
+        address = context["recipient"]["address"]
+    except (TypeError, KeyError):
+        return None
+    from distributed.comm.addressing import get_address_host, parse_address
+
+    try:
+        if parse_address(address)[0] == "inproc":
+            return "localhost"
+        return get_address_host(address)
+    except (TypeError, ValueError):
+        return None
+
+
+def same_node(host: str | None) -> bool:
+    """Note [Same-node transport]."""
+    if host is None:
+        return False
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return True
+    except ValueError:
+        pass
+    return host in _local_addresses()
+
+
+class _Pickler(cloudpickle.Pickler):
+    """Dask's pickler (cloudpickle: lambdas in arguments work as on plain Dask), arrays as Note [Same-node
+    transport] says."""
+
+    def __init__(self, file, handles: bool, buffers: list):
+        super().__init__(file, protocol=5, buffer_callback=buffers.append)
+        self.handles = handles
+        self.threshold = get_inline_threshold()
+
+    def reducer_override(self, obj):
+        if type(obj) is np.ndarray and not obj.dtype.hasobject:
+            if self.handles and obj.nbytes >= max(self.threshold, 1):
+                if not _in_named_segment(obj):  # a memfd one cannot cross TCP: copied like any other
+                    obj = _shared_copy(obj)
+                _count(handles_sent=1)
+                return reduce_ndarray(obj)
+            _count(inband_array_bytes=obj.nbytes)
+        return super().reducer_override(obj)
+
+
+def _shared_copy(arr: np.ndarray) -> np.ndarray:
+    """A copy of ``arr`` in a new named segment, its layout kept. (Not ``share_memory``: its nested helpers
+    form a reference cycle that keeps the copy, and so its segment, alive until the next garbage collection.)"""
+    copy = empty_shared(arr.shape, arr.dtype, "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C")
+    np.copyto(copy, arr, casting="no")
+    return copy
+
+
+def _in_named_segment(arr: np.ndarray) -> bool:
+    base = arr
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, memoryview):
+        base = base.obj
+    return isinstance(base, shm_core.Segment) and bool(base.name)
+
+
+@dask_serialize.register(Shipped)
+def _dumps(obj: Shipped, context=None):
+    host = recipient_host(context)
+    _count(**{"sends" if host is not None else "sends_without_recipient": 1})
+    handles = obj.same_node and same_node(host)
+    if handles and get_sharing_strategy() != "file_system":
+        set_sharing_strategy("file_system")  # Note [Same-node transport]
+    buffers: list = []
+    f = io.BytesIO()
+    _Pickler(f, handles, buffers).dump(obj.value)
+    frames = [f.getbuffer(), *(b.raw() for b in buffers)]
+    return {"same_node": obj.same_node, "handles": handles}, frames
+
+
+@dask_deserialize.register(Shipped)
+def _loads(header, frames):
+    buffers = [b if not memoryview(b).readonly else bytearray(b) for b in frames[1:]]
+    return Shipped(pickle.loads(frames[0], buffers=buffers), bool(header.get("same_node", True)))

@@ -1,0 +1,59 @@
+"""Functions the tests run in pool workers (importable by spawn children and Dask workers alike)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+GLOBAL = None
+
+
+def init(value):
+    global GLOBAL
+    GLOBAL = value
+
+
+def read_global(_):
+    return GLOBAL
+
+
+def f(a):
+    a += 1  # received arrays are writable, on every context
+    return a * 2
+
+
+def g(a, b):
+    return a - b
+
+
+def boom(a):
+    raise ValueError(f"boom on an array of shape {a.shape}")
+
+
+def nap(i):
+    time.sleep(0.2)
+    return i
+
+
+def mapping_of(a) -> tuple[str, bool]:
+    """The file behind the mapping that holds ``a``'s data (from /proc/self/maps), and whether ``a`` is writable."""
+    addr = a.ctypes.data
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= addr < hi:
+                return (fields[5].strip() if len(fields) > 5 else ""), bool(a.flags.writeable)
+    return "", bool(a.flags.writeable)
+
+
+def stall_once(a, marker: str):
+    """First run: say which process runs it, then hang (until killed); a retry returns at once."""
+    if os.path.exists(marker):
+        return float(np.sum(a))
+    with open(marker + ".tmp", "w") as fh:
+        fh.write(str(os.getpid()))
+    os.rename(marker + ".tmp", marker)
+    time.sleep(600)

@@ -1,0 +1,93 @@
+"""A LocalCluster per test module (loopback, no dashboard, scratch in a temp dir), segments in a private
+directory, and the leak check: no arraymp segment left there after each test."""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import signal
+import tempfile
+import time
+
+import pytest
+
+# before anything starts a process: workers and spawn children inherit these
+SHM_DIR = tempfile.mkdtemp(prefix="arraymp-dask-test-", dir="/dev/shm")
+os.environ["ARRAYMP_SHM_DIR"] = SHM_DIR
+os.environ.setdefault("ARRAYMP_RECYCLE_IDLE", "0.2")  # received mappings are dropped 0.2 s after last use
+os.environ.setdefault("ARRAYMP_MANAGER_LINGER", "0.5")
+
+import dask  # noqa: E402
+import mp_dask  # noqa: E402
+import mp_reductions  # noqa: E402
+from mp_reductions import _recycle  # noqa: E402
+
+_recycle.IDLE = float(os.environ["ARRAYMP_RECYCLE_IDLE"])
+# each task runs where its argument was scattered: no stolen task moves an argument between workers, so the
+# handle counts are exact (the LocalCluster's scheduler runs in this process and reads this)
+dask.config.set({"distributed.scheduler.work-stealing": False})
+CLUSTER = {"n_workers": 2, "host": "127.0.0.1", "dashboard_address": None}
+
+
+def segments() -> set[str]:
+    return {n for n in os.listdir(SHM_DIR) if n.startswith("arraymp_")}
+
+
+def wait_until(pred, timeout: float, what: str) -> float:
+    t0 = time.monotonic()
+    while not pred():
+        if time.monotonic() - t0 > timeout:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        gc.collect()
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except OSError:
+        return False
+
+
+def pytest_sessionfinish(session):
+    shutil.rmtree(SHM_DIR, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def reductions():
+    mp_reductions.init_reductions()
+
+
+@pytest.fixture
+def scratch(tmp_path):
+    d = tmp_path / "dask-scratch"
+    d.mkdir()
+    return str(d)
+
+
+@pytest.fixture
+def dask_ctx(scratch):
+    """A context that started its own LocalCluster of 2 worker processes; closed after the test."""
+    ctx = mp_dask.get_context(**CLUSTER, local_directory=scratch)
+    try:
+        yield ctx
+    finally:
+        ctx.close()
+
+
+@pytest.fixture(autouse=True)
+def leak_check():
+    """No segment of ours left in the private segment directory after the test."""
+    before = segments()
+    yield
+    wait_until(lambda: not segments() - before, 10, f"segments to go: {sorted(segments() - before)}")

@@ -1,0 +1,79 @@
+"""The command line as a user meets it: versions, the usage line, help texts, bench sizes."""
+
+import importlib
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from arraymp._bench import parse_sizes
+
+ROOT = pathlib.Path(__file__).parents[1]
+PACKAGES = {  # distribution: (import name, folder)
+    "shm-core": ("shm_core", ROOT / "packages/shm-core"),
+    "shm-manager": ("shm_manager", ROOT / "packages/shm-manager"),
+    "mp-reductions": ("mp_reductions", ROOT / "packages/mp-reductions"),
+    "shm-cuda": ("shm_cuda", ROOT / "packages/shm-cuda"),
+    "mp-spawn": ("mp_spawn", ROOT / "packages/mp-spawn"),
+}
+
+
+def pyproject_version(folder: pathlib.Path) -> str:
+    return re.search(r'^version = "([^"]+)"$', (folder / "pyproject.toml").read_text(), re.M).group(1)
+
+
+def arraymp(*args, command=(sys.executable, "-m", "arraymp")):
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=300)
+
+
+def test_version_names_arraymp_and_its_five_packages():
+    out = arraymp("--version")
+    assert out.returncode == 0, out.stderr
+    packages = ", ".join(f"{dist} {pyproject_version(folder)}" for dist, (_, folder) in PACKAGES.items())
+    assert out.stdout.strip() == f"arraymp {pyproject_version(ROOT)} ({packages})"
+
+
+@pytest.mark.parametrize("dist", ["arraymp", *PACKAGES])
+def test_version_lives_in_pyproject_only(dist):
+    module, folder = PACKAGES.get(dist, ("arraymp", ROOT))
+    mod = importlib.import_module(module)
+    assert mod.__version__ == pyproject_version(folder)
+    source = pathlib.Path(mod.__file__).read_text()
+    assert not re.search(r"^__version__ = [\"']", source, re.M), (
+        f"{module}/__init__.py repeats the version of {folder / 'pyproject.toml'}: read it with "
+        f'importlib.metadata.version("{dist}")')
+
+
+def test_usage_names_the_command_that_was_run():
+    assert arraymp("-h").stdout.startswith("usage: python -m arraymp ")
+    script = pathlib.Path(sys.executable).parent / "arraymp"  # the console script
+    assert arraymp("-h", command=(str(script),)).stdout.startswith("usage: arraymp ")
+
+
+@pytest.mark.parametrize("args", [["-h"], ["doctor", "-h"], ["demo", "-h"], ["bench", "-h"]])
+def test_help_is_plain_text(args):
+    out = arraymp(*args)
+    assert out.returncode == 0, out.stderr
+    assert "``" not in out.stdout
+
+
+def test_demo_has_a_quick_and_a_full_run():
+    out = arraymp("demo", "-h")
+    assert "--quick" in out.stdout and "--full" in out.stdout
+    out = arraymp("demo", "--quick", "--full")
+    assert out.returncode == 2 and "not allowed with" in out.stderr
+
+
+def test_bench_sizes_take_binary_units():
+    assert parse_sizes("4KiB,1MiB,256MiB") == [4 << 10, 1 << 20, 256 << 20]
+    assert parse_sizes("4096, 2GiB") == [4096, 2 << 30]
+    out = arraymp("bench", "--sizes", "1MB")
+    assert out.returncode == 2 and "'1MB'" in out.stderr and "4KiB,1MiB,256MiB" in out.stderr
+
+
+def test_bench_runs_on_sizes_with_units_and_reports_gib_per_second():
+    out = arraymp("bench", "--quick", "--repeat", "1", "--sizes", "64KiB")
+    assert out.returncode == 0, out.stderr
+    assert "fresh 64 KiB" in out.stdout and "GiB/s" in out.stdout and "GB/s" not in out.stdout

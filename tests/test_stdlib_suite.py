@@ -1,0 +1,74 @@
+"""What code written for multiprocessing finds in arraymp: its submodules, its classes for isinstance and subclassing,
+and the ProcessPoolExecutor's choice of context. CPython's own tests over our objects: nox -s stdlib_suite."""
+
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.pool
+import multiprocessing.queues
+import subprocess
+import sys
+
+import mp_reductions
+
+import arraymp as mp
+
+
+def test_submodules_are_there_as_in_multiprocessing():
+    # a fresh interpreter: nothing imported the submodules before (multiprocessing.X after `import multiprocessing`)
+    code = ("import arraymp as mp, multiprocessing.pool, multiprocessing.util\n"
+            "assert mp.pool.ThreadPool is multiprocessing.pool.ThreadPool\n"
+            "assert mp.connection.wait is multiprocessing.connection.wait\n"
+            "assert mp.util._cleanup_tests is multiprocessing.util._cleanup_tests\n"  # private names too
+            "import arraymp.managers, arraymp.shared_memory\n"
+            "from arraymp.queues import *\n"
+            "print(Queue.__module__, mp.pool.Pool.__module__, mp.managers.SyncManager.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["mp_reductions._queues", "mp_reductions._pool", "multiprocessing.managers"]
+
+
+def test_ours_are_instances_of_the_stdlib_classes():
+    q, (a, b) = mp.Queue(), mp.Pipe()
+    assert isinstance(q, multiprocessing.queues.Queue) and isinstance(q, mp.queues.Queue)
+    assert isinstance(a, multiprocessing.connection.Connection) and isinstance(a, mp.connection.Connection)
+    assert mp.connection.wait([a], timeout=0) == []
+    for chan in (q, a, b):
+        chan.close()
+
+
+class SafeQueue(mp.queues.Queue):
+    """The stdlib's pattern for unpicklable items (bpo-30006), written against arraymp."""
+
+    @staticmethod
+    def _on_queue_feeder_error(e, obj):
+        obj.hooked = e
+
+
+class Unpicklable:
+    hooked = None
+
+    def __reduce__(self):
+        raise AttributeError("no")
+
+
+def test_the_stdlib_feeder_error_pattern_works():
+    q = SafeQueue(ctx=mp.get_context())
+    bad = Unpicklable()
+    q.put(bad)
+    q.put(True)
+    assert q.get(timeout=60) is True and isinstance(bad.hooked, AttributeError)
+    q.close()
+    assert issubclass(SafeQueue, mp_reductions.Queue)
+
+
+def test_executor_with_max_tasks_per_child_picks_spawn_as_the_stdlibs():
+    # under the fork default, as concurrent.futures' own: spawn, since fork cannot replace workers safely.
+    # Fewer tasks than max_tasks_per_child: CPython 3.11's own executor can hang when a worker retires.
+    code = ("import multiprocessing, arraymp as mp\n"
+            "multiprocessing.set_start_method('fork')\n"
+            "with mp.ProcessPoolExecutor(1, max_tasks_per_child=3) as ex:\n"
+            "    ctx = ex._mp_context\n"
+            "    print(ctx.get_start_method(), type(ctx).__module__, list(ex.map(abs, [-1, 2])))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["spawn", "arraymp._context", "[1,", "2]"]
