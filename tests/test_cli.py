@@ -1,6 +1,7 @@
 """The command line as a user meets it: versions, the usage line, help texts, bench sizes."""
 
 import importlib
+import importlib.util
 import pathlib
 import re
 import subprocess
@@ -31,8 +32,10 @@ def arraymp(*args, command=(sys.executable, "-m", "arraymp")):
 def test_version_names_arraymp_and_its_five_packages():
     out = arraymp("--version")
     assert out.returncode == 0, out.stderr
-    packages = ", ".join(f"{dist} {pyproject_version(folder)}" for dist, (_, folder) in PACKAGES.items())
-    assert out.stdout.strip() == f"arraymp {pyproject_version(ROOT)} ({packages})"
+    found = [f"{dist} {pyproject_version(folder)}" for dist, (_, folder) in PACKAGES.items()]
+    if importlib.util.find_spec("mp_dask") is not None:  # the dask extra, listed when installed
+        found.append(f"mp-dask {pyproject_version(ROOT / 'packages/mp-dask')}")
+    assert out.stdout.strip() == f"arraymp {pyproject_version(ROOT)} ({', '.join(found)})"
 
 
 @pytest.mark.parametrize("dist", ["arraymp", *PACKAGES])

@@ -1,6 +1,7 @@
 import gc
 import multiprocessing
 import os
+import subprocess
 import time
 
 import mp_reductions
@@ -53,3 +54,23 @@ def leak_check():
     assert not children, f"children still running: {children}"
     assert not left, f"segments left in /dev/shm: {sorted(left)}"
     assert nfds() <= fds_before + 5, f"descriptors: {fds_before} before, {nfds()} after"
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path):
+    """``mount_tmpfs(size)``: a fresh tmpfs of ``size`` (e.g. "4m") under tmp_path, unmounted after the test
+    (skips where mounting is not permitted)."""
+    mounted = []
+
+    def mount(size: str):
+        mnt = tmp_path / f"tmpfs-{len(mounted)}"
+        mnt.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True)
+        if r.returncode != 0:
+            pytest.skip(f"mounting a tmpfs is not permitted here: {r.stderr.decode().strip()}")
+        mounted.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in mounted:
+        subprocess.run(["umount", "--lazy", str(mnt)], check=True)

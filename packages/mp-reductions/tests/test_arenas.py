@@ -6,7 +6,6 @@ import multiprocessing
 import os
 import subprocess
 import sys
-import tempfile
 import time
 import weakref
 
@@ -182,29 +181,23 @@ def test_unprivileged_resend_past_the_budget_raises_never_copies(tmp_path):
     assert r.stdout.strip() == "raised"
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
-def test_small_array_on_a_tiny_tmpfs_falls_back_to_its_own_segment():
-    d = tempfile.mkdtemp(prefix="arraymp-tiny-")
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", d], check=True)
-    try:
-        code = (
-            "import mp_reductions as m, numpy as np\n"
-            "m.init_reductions(); m.set_sharing_strategy('file_system')\n"
-            "a = m.zeros_shared(1000, np.uint8); a[:] = 5; assert a.sum() == 5000\n"
-            "try:\n"
-            "    m.empty_shared(2 << 20, np.uint8)\n"
-            "except OSError as e:\n"
-            "    assert '2,097,152' in str(e) and '4,194,304' not in str(e), e\n"
-            "else:\n"
-            "    raise SystemExit('no error for 2 MiB on a 1 MiB tmpfs')\n"
-            "print('ok')\n"
-        )
-        env = {**os.environ, "ARRAYMP_SHM_DIR": d}
-        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
-    finally:
-        subprocess.run(["umount", "-l", d], check=False)
-        os.rmdir(d)
+def test_small_array_on_a_tiny_tmpfs_falls_back_to_its_own_segment(mount_tmpfs):
+    d = str(mount_tmpfs("1m"))
+    code = (
+        "import mp_reductions as m, numpy as np\n"
+        "m.init_reductions(); m.set_sharing_strategy('file_system')\n"
+        "a = m.zeros_shared(1000, np.uint8); a[:] = 5; assert a.sum() == 5000\n"
+        "try:\n"
+        "    m.empty_shared(2 << 20, np.uint8)\n"
+        "except OSError as e:\n"
+        "    assert '2,097,152' in str(e) and '4,194,304' not in str(e), e\n"
+        "else:\n"
+        "    raise SystemExit('no error for 2 MiB on a 1 MiB tmpfs')\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "ARRAYMP_SHM_DIR": d}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
 def test_forged_block_handles_raise(strategy):

@@ -15,7 +15,6 @@ import pickle
 import queue
 import socket
 import struct
-import subprocess
 import time
 from multiprocessing import reduction
 from pathlib import Path
@@ -316,22 +315,9 @@ def test_descriptor_references_are_checked(receiver, good_segment):
         receiver.refused(("d", FakeDupFd(value)), 4096, 0, (8,), None, "f8", False, match="not a descriptor")
 
 
-@pytest.fixture
-def full_tiny_tmpfs(tmp_path, monkeypatch):
-    """A 4 MiB tmpfs as the receiver's segment directory."""
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"mounting a tmpfs is not permitted here: {r.stderr.decode().strip()}")
-    try:
-        monkeypatch.setenv("ARRAYMP_SHM_DIR", str(mnt))
-        yield mnt
-    finally:
-        subprocess.run(["umount", "--lazy", str(mnt)], check=True)
-
-
-def test_sparse_segments_on_a_full_tmpfs_raise_instead_of_sigbus(full_tiny_tmpfs):
+def test_sparse_segments_on_a_full_tmpfs_raise_instead_of_sigbus(mount_tmpfs, monkeypatch):
+    full_tiny_tmpfs = mount_tmpfs("4m")
+    monkeypatch.setenv("ARRAYMP_SHM_DIR", str(full_tiny_tmpfs))
     name = shm_core.segment_name()
     with open(full_tiny_tmpfs / name, "wb") as f:  # claims 8 MiB on a 4 MiB tmpfs: holes
         f.write(header(8 << 20))

@@ -1,4 +1,5 @@
 import os
+import subprocess
 
 import pytest
 
@@ -15,3 +16,23 @@ def no_leaks():
     yield
     assert _ours() - shm_before == set(), "segments left in /dev/shm"
     assert len(set(os.listdir("/proc/self/fd")) - fds_before) == 0, "descriptors left open"
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path):
+    """``mount_tmpfs(size)``: a fresh tmpfs of ``size`` (e.g. "4m") under tmp_path, unmounted after the test
+    (skips where mounting is not permitted)."""
+    mounted = []
+
+    def mount(size: str):
+        mnt = tmp_path / f"tmpfs-{len(mounted)}"
+        mnt.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True)
+        if r.returncode != 0:
+            pytest.skip(f"mounting a tmpfs is not permitted here: {r.stderr.decode().strip()}")
+        mounted.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in mounted:
+        subprocess.run(["umount", "--lazy", str(mnt)], check=True)

@@ -230,18 +230,8 @@ def test_names_identify_owner():
     assert shm_core.parse_name("sem.mp-123") is None
 
 
-@pytest.fixture
-def tiny_tmpfs(tmp_path):
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"mounting a tmpfs is not permitted here: {r.stderr.decode().strip()}")
-    yield mnt
-    subprocess.run(["umount", "--lazy", str(mnt)], check=True)
-
-
-def test_full_tmpfs_raises_instead_of_sigbus(tiny_tmpfs, monkeypatch):
+def test_full_tmpfs_raises_instead_of_sigbus(mount_tmpfs, monkeypatch):
+    tiny_tmpfs = mount_tmpfs("1m")
     monkeypatch.setenv("ARRAYMP_SHM_DIR", str(tiny_tmpfs))
     with pytest.raises(shm_core.SharedMemoryFullError) as info:
         shm_core.create(4 << 20)

@@ -222,20 +222,8 @@ def test_name_pattern_is_what_segment_name_makes():
     assert shm_core.parse_name("arraymp_../1_g_2_" + "0" * 16) is None
 
 
-@pytest.fixture
-def full_tiny_tmpfs(tmp_path):
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"mounting a tmpfs is not permitted here: {r.stderr.decode().strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "--lazy", str(mnt)], check=True)
-
-
-def test_sparse_segment_on_a_full_tmpfs_raises_instead_of_sigbus(full_tiny_tmpfs):
+def test_sparse_segment_on_a_full_tmpfs_raises_instead_of_sigbus(mount_tmpfs):
+    full_tiny_tmpfs = mount_tmpfs("4m")
     name = shm_core.segment_name()
     forge(full_tiny_tmpfs / name, 8 << 20, sparse=True)  # claims 8 MiB on a 4 MiB tmpfs
     with contextlib.suppress(OSError):  # fill it: a touched hole has no page to get
