@@ -48,3 +48,21 @@ def check_sequence(q, out):
         bad += int(not (a == n).all())
         n += 1
     out.put((n, bad))
+
+
+def hold_messages(conn):
+    """Unpickle the messages the parent sends, keep each array until told to drop it, report their sums."""
+    import pickle
+
+    mpr.init_reductions()
+    held = {}
+    while (cmd := conn.recv()) is not None:
+        op, key, payload = cmd
+        if op == "load":
+            held[key] = pickle.loads(payload)
+            conn.send(float(held[key].sum()))
+        elif op == "drop":
+            del held[key]
+            conn.send(None)
+        else:  # "sums": what every kept array reads now
+            conn.send({k: float(a.sum()) for k, a in held.items()})

@@ -94,7 +94,7 @@ def test_a_pooled_named_segment_too_small_for_the_message_is_not_used():
         small = segment_of(q.get(timeout=5))[0]
         small_name = small.name
         del small
-        assert any(seg.name == small_name for seg, _ in _recycle._state.pool)  # the candidate a first copy takes
+        assert any(seg.name == small_name for seg, _, _ in _recycle._state.pool)  # the candidate a first copy takes
         msg = [np.full(20_000, 1.0), np.full(200_000, 2.0)]  # the first fits the pooled segment, not both
         q.put(msg)
         got = q.get(timeout=5)
@@ -121,6 +121,25 @@ def test_idle_recycled_segments_are_released():
     assert memfd_mappings() <= base
 
 
+def test_a_segment_held_longer_than_idle_comes_round_again():
+    # idle means free and untaken: a receiver holding the copy for seconds does not get it dropped from the
+    # pool (a Pool's map sends all its copies at once and they come back a while later), one whose message is
+    # never received leaves BUSY_IDLES * IDLE seconds after it was sent
+    q = mpr.Queue()
+    q.put(np.arange(100_000.0))
+    held = q.get(timeout=5)
+    first = segment_of(held)[0]
+    time.sleep(_recycle.IDLE + 0.6)
+    assert any(seg is first for seg, _, _ in _recycle._state.pool)
+    del held
+    q.put(np.arange(100_000.0) * 2)
+    again = q.get(timeout=5)
+    assert segment_of(again)[0] is first and again[1] == 2
+    time.sleep(_recycle.BUSY_IDLES * _recycle.IDLE + 0.6)  # ``again`` is held all along
+    assert not any(seg is first for seg, _, _ in _recycle._state.pool)
+    assert again[1] == 2 and (again == np.arange(100_000.0) * 2).all()
+
+
 def test_memory_pressure_releases_the_pool():
     q = mpr.Queue()
     q.put(np.ones(100_000))
@@ -144,3 +163,53 @@ def test_fork_child_does_not_inherit_the_pool():
     assert os.read(r, 1) == b"1"
     os.close(r)
     os.close(w)
+
+
+def test_message_copies_are_recycled_only_once_received_and_dropped():
+    """``message_copies`` (the Dask transport's copies, Note [recycling]): a copy's segment comes round again
+    only when its message was received and the receiver dropped the array; never while a message naming it
+    is unread or a process views it."""
+    from multiprocessing.reduction import ForkingPickler
+
+    mpr.init_reductions()
+    mpr.set_sharing_strategy("file_system")
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_recycle_targets.hold_messages, args=(child,))
+    p.start()
+    try:
+
+        def message(value, order="C"):
+            with mpr.message_copies() as copy:
+                c = copy(np.full((256, 512), value, np.float64, order=order))  # 1 MiB: a recycled segment
+                name = segment_of(c)[0].name
+                assert c.flags.f_contiguous == (order == "F") and c.flags.writeable
+                return name, bytes(ForkingPickler.dumps(c))
+
+        n1, m1 = message(1.0)
+        parent.send(("load", 1, m1))
+        assert parent.recv() == 256 * 512
+        n2, m2 = message(2.0, "F")  # the child views n1: another segment
+        assert n2 != n1
+        parent.send(("drop", 1, None))
+        parent.recv()
+        n3, m3 = message(3.0)  # n1 is free again; n2's message is unread, so n2 is not
+        assert n3 == n1
+        n4, m4 = message(4.0)
+        assert n4 not in (n1, n2)
+        for key, m in ((2, m2), (3, m3), (4, m4)):
+            parent.send(("load", key, m))
+            parent.recv()
+        parent.send(("sums", None, None))
+        assert parent.recv() == {2: 2.0 * 256 * 512, 3: 3.0 * 256 * 512, 4: 4.0 * 256 * 512}
+        with mpr.message_copies() as copy:  # small arrays go into an arena block, not a segment of their own
+            assert segment_of(copy(np.ones(100)))[0].size >= 1 << 20
+        parent.send(None)
+        p.join(30)
+        assert p.exitcode == 0
+    finally:
+        if p.is_alive():
+            p.kill()
+            p.join()
+        mpr.set_sharing_strategy("file_descriptor")
+        _recycle.release_all()

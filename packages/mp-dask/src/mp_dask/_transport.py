@@ -14,9 +14,11 @@ Note [Same-node transport]
 A recipient is on this node when its address is a loopback address or one of
 this host's. An array sent to it goes through ``mp_reductions.reduce_ndarray``
 under the ``file_system`` strategy: one already in a named segment travels as
-its handle, any other is copied once into a new named segment (descriptors
-cannot cross TCP, so a process that sends handles over Dask uses
-``file_system`` from then on). The handle carries one in-flight count of the
+its handle, any other is copied once into a named segment, an arena block or
+a recycled segment (``mp_reductions.message_copies``: a Pool's next map
+copies into memory already faulted in, which is most of its speed), since
+descriptors cannot cross TCP: a process that sends handles over Dask uses
+``file_system`` from then on. The handle carries one in-flight count of the
 segment that the receiver takes over (Note [named segments] in mp_reductions'
 _shared.py), and the receiver holds it through the segment's group daemon even
 when it belongs to another program's group (Note [Holds across groups] in
@@ -56,9 +58,9 @@ import numpy as np
 import shm_core
 from distributed.protocol import dask_deserialize, dask_serialize
 from mp_reductions import (
-    empty_shared,
     get_inline_threshold,
     get_sharing_strategy,
+    message_copies,
     reduce_ndarray,
     set_sharing_strategy,
 )
@@ -137,28 +139,20 @@ class _Pickler(cloudpickle.Pickler):
     """Dask's pickler (cloudpickle: lambdas in arguments work as on plain Dask), arrays as Note [Same-node
     transport] says."""
 
-    def __init__(self, file, handles: bool, buffers: list):
+    def __init__(self, file, buffers: list, copy=None):
         super().__init__(file, protocol=5, buffer_callback=buffers.append)
-        self.handles = handles
+        self.copy = copy  # a message_copies() copier when arrays go as handles, else None
         self.threshold = get_inline_threshold()
 
     def reducer_override(self, obj):
         if type(obj) is np.ndarray and not obj.dtype.hasobject:
-            if self.handles and obj.nbytes >= max(self.threshold, 1):
+            if self.copy is not None and obj.nbytes >= max(self.threshold, 1):
                 if not _in_named_segment(obj):  # a memfd one cannot cross TCP: copied like any other
-                    obj = _shared_copy(obj)
+                    obj = self.copy(obj)
                 _count(handles_sent=1)
                 return reduce_ndarray(obj)
             _count(inband_array_bytes=obj.nbytes)
         return super().reducer_override(obj)
-
-
-def _shared_copy(arr: np.ndarray) -> np.ndarray:
-    """A copy of ``arr`` in a new named segment, its layout kept. (Not ``share_memory``: its nested helpers
-    form a reference cycle that keeps the copy, and so its segment, alive until the next garbage collection.)"""
-    copy = empty_shared(arr.shape, arr.dtype, "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C")
-    np.copyto(copy, arr, casting="no")
-    return copy
 
 
 def _in_named_segment(arr: np.ndarray) -> bool:
@@ -179,7 +173,8 @@ def _dumps(obj: Shipped, context=None):
         set_sharing_strategy("file_system")  # Note [Same-node transport]
     buffers: list = []
     f = io.BytesIO()
-    _Pickler(f, handles, buffers).dump(obj.value)
+    with message_copies() as copy:
+        _Pickler(f, buffers, copy if handles else None).dump(obj.value)
     frames = [f.getbuffer(), *(b.raw() for b in buffers)]
     return {"same_node": obj.same_node, "handles": handles}, frames
 

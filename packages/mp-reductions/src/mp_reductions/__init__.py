@@ -10,6 +10,7 @@ them that survives dead workers.
 from ._connection import Connection, Pipe
 from ._pool import Pool, WorkerLostError
 from ._queues import JoinableQueue, Queue, SimpleQueue
+from ._recycle import message_copies
 from ._reductions import init_reductions, rebuild_ndarray, reduce_ndarray
 from ._shared import empty_shared, is_shared, share_memory, zeros_shared
 from ._strategy import (
@@ -34,6 +35,7 @@ __all__ = [
     "get_sharing_strategy",
     "init_reductions",
     "is_shared",
+    "message_copies",
     "rebuild_ndarray",
     "reduce_ndarray",
     "set_inline_threshold",

@@ -26,34 +26,42 @@ it drops its view, so while anyone can reach the segment the word is above
 zero, and one read of it decides. (Two words, read one after the other, could
 both read zero while a reference moved from a view to a message and on to
 another view: a pipeline stage corrupted arrays that way.) A message that is
-never received keeps the word up: that segment simply leaves the pool when
-idle.
+never received, or a holder killed, keeps the word up for good: that segment
+leaves the pool ``BUSY_IDLES * IDLE`` seconds after it was sent.
 
-Pooled and recent segments are dropped after ``IDLE`` seconds unused (a reaper
-thread), at once when memory runs out, and at exit.
+A pooled segment is idle once it is free: it is dropped after ``IDLE``
+seconds free and untaken (a reaper thread), however long its receivers held
+it first (a Pool's map sends all its copies at once and they come back
+together, a second or more later: dropping them by the time they were sent
+would make the next map fault in fresh ones). Recent mappings are dropped
+``IDLE`` seconds after their last arrival. Both go at once when memory runs
+out, and at exit.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
 import time
 
+import numpy as np
 import shm_core
 
 from . import _shared
 
 REFS = shm_core.VIEWS_OFFSET  # messages in flight + processes with views (Note [recycling])
 IDLE = float(os.environ.get("ARRAYMP_RECYCLE_IDLE", "1.0"))
-POOL_MAX = 8  # pooled segments per process
-RECENT_BYTES = 2 << 30  # mappings a receiver keeps for recycled segments
+POOL_MAX = 128  # pooled segments per process (a Pool's whole map in flight: its copies come back together)
+KEEP_BYTES = 2 << 30  # bytes each of the pool and the kept mappings may hold
+BUSY_IDLES = 5  # IDLE periods a pooled segment may stay busy (Note [recycling]: a message never received)
 
 
 class _State:
     def __init__(self):
         self.lock = threading.Lock()
-        self.pool: list[tuple[shm_core.Segment, float]] = []  # (segment, last used)
+        self.pool: list[list] = []  # [segment, sent at, last seen busy] (Note [recycling])
         self.recent: collections.OrderedDict = collections.OrderedDict()  # key -> (segment, last used)
         self.recent_bytes = 0
         self.reaper: threading.Thread | None = None
@@ -79,26 +87,56 @@ def _pick(fits) -> shm_core.Segment | None:
     st = _state
     with st.lock:
         best = None
-        for i, (seg, _) in enumerate(st.pool):
+        for i, (seg, _, _) in enumerate(st.pool):
             if fits(seg) and (best is None or seg.size < st.pool[best][0].size) and _free(seg):
                 best = i
         return st.pool.pop(best)[0] if best is not None else None
 
 
-def take(nbytes: int) -> shm_core.Segment:
-    """A free pooled memfd segment of at least ``nbytes`` (and not much more), else a new one."""
-    seg = _pick(lambda s: not s.name and nbytes <= s.size <= 2 * nbytes + (1 << 20))
+def take(nbytes: int, named: bool = False) -> shm_core.Segment:
+    """A free pooled segment (memfd, or ``named``) of at least ``nbytes`` (and not much more), else a new one."""
+    seg = _pick(lambda s: bool(s.name) == named and nbytes <= s.size <= 2 * nbytes + (1 << 20))
     if seg is not None:
         try:
-            _shared.fd_for_sending(seg)  # its descriptor may have been closed (_shared Note [descriptors])
+            if not named:
+                _shared.fd_for_sending(seg)  # its descriptor may have been closed (_shared Note [descriptors])
             return seg
         except OSError:
             pass
+    strategy = "file_system" if named else "file_descriptor"
     try:
-        return _shared.new_segment(nbytes, "file_descriptor")
+        return _shared.new_segment(nbytes, strategy)
     except shm_core.SharedMemoryFullError:
         release_all()  # memory pressure: give back what we keep, then try once more
-        return _shared.new_segment(nbytes, "file_descriptor")
+        return _shared.new_segment(nbytes, strategy)
+
+
+@contextlib.contextmanager
+def message_copies():
+    """For a message that leaves by another transport (Dask's comms), under the file_system strategy:
+    yields ``copy(arr)``, a shared copy of ``arr`` (its layout kept) for the message to carry as a handle
+    (``reduce_ndarray``). A small one goes into an arena block; a large one into a recycled segment, back
+    to the pool when the block ends and taken again once that message was received and its last view
+    dropped (Note [recycling]). Pickle the message inside the block."""
+    copies: list[shm_core.Segment] = []
+
+    def copy(arr):
+        order = "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C"
+        if arr.nbytes <= _shared.ARENA_ITEM_MAX:
+            out = _shared.empty_shared(arr.shape, arr.dtype, order)
+        else:
+            seg = take(arr.nbytes, named=True)
+            copies.append(seg)
+            strides = None if order == "C" else _shared._f_strides(arr.shape, arr.itemsize)
+            out = seg.ndarray(arr.shape, arr.dtype, 0, strides)
+        np.copyto(out, arr, casting="no")
+        return out
+
+    try:
+        yield copy
+    finally:
+        for seg in copies:
+            sent(seg)
 
 
 def take_named(min_bytes: int) -> shm_core.Segment | None:
@@ -113,8 +151,9 @@ def sent(seg: shm_core.Segment) -> None:
     """``seg`` went out in a message: keep it for a later take()."""
     st = _state
     with st.lock:
-        st.pool.append((seg, time.monotonic()))
-        if len(st.pool) > POOL_MAX:
+        now = time.monotonic()
+        st.pool.append([seg, now, now])
+        while len(st.pool) > POOL_MAX or sum(entry[0].length for entry in st.pool) > KEEP_BYTES:
             _shared.release_fd(st.pool.pop(0)[0])
         _ensure_reaper(st)
 
@@ -127,7 +166,7 @@ def received(seg: shm_core.Segment) -> None:
         if old is None:
             st.recent_bytes += seg.length
         st.recent[seg.key] = (seg, time.monotonic())
-        while st.recent_bytes > RECENT_BYTES and st.recent:
+        while st.recent_bytes > KEEP_BYTES and st.recent:
             _, (old_seg, _) = st.recent.popitem(last=False)
             st.recent_bytes -= old_seg.length
         _ensure_reaper(st)
@@ -147,16 +186,20 @@ def _reap(st: _State) -> None:
 
 
 def _drop_idle(st: _State) -> bool:
-    """Drop what has been idle longer than IDLE; True (and no reaper) once nothing is kept. A function of
-    its own: no local of the reaper's loop may keep a dropped segment alive while it sleeps."""
+    """Drop what has been idle longer than IDLE (Note [recycling]); True (and no reaper) once nothing is
+    kept. A function of its own: no local of the reaper's loop may keep a dropped segment alive while it
+    sleeps."""
     with st.lock:
         now = time.monotonic()
         keep = []
-        for seg, t in st.pool:
-            if now - t > IDLE:
+        for entry in st.pool:
+            seg, sent_at, busy_at = entry
+            if not _free(seg) and now - sent_at < BUSY_IDLES * IDLE:
+                entry[2] = busy_at = now
+            if now - busy_at > IDLE:
                 _shared.release_fd(seg)  # the mapping goes with its last array
             else:
-                keep.append((seg, t))
+                keep.append(entry)
         st.pool = keep
         for key, (seg, t) in list(st.recent.items()):
             if now - t > IDLE:
@@ -172,6 +215,6 @@ def release_all() -> None:
     """Drop every pooled and recently used segment now."""
     st = _state
     with st.lock:
-        for seg, _ in st.pool:
+        for seg, _, _ in st.pool:
             _shared.release_fd(seg)
         st.pool, st.recent, st.recent_bytes = [], collections.OrderedDict(), 0
