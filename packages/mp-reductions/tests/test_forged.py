@@ -305,6 +305,30 @@ def test_received_descriptors_must_be_allocated_segment_files(receiver):
         b.close()
 
 
+def test_malformed_frames_raise_and_keep_no_descriptor(receiver, good_segment):
+    """A message whose frame fits no kind of the wire format (see _channel.py) raises SegmentError, and every
+    descriptor it carried is closed; a plain pickle that carries descriptors is read, its descriptors closed."""
+    fds_dir = f"/proc/{receiver.proc.pid}/fd"
+    before = len(os.listdir(fds_dir))
+    spill = memfd_with(header(64) + bytes(64))
+    try:
+        for frame, fds, what in [
+            ([b"S", (64).to_bytes(8, "little")], [], "fits no kind"),  # spilled, its descriptor missing
+            ([b"S", b"\1"], [spill], "fits no kind"),  # spilled, its length cut short
+            ([b"S", (1 << 40).to_bytes(8, "little")], [spill, good_segment.fd], "1099511627776"),  # too long
+            ([b"Z", pickle.dumps(np.arange(3.0))], [good_segment.fd], "kind b'Z'"),
+        ]:
+            shm_core.send_fds(receiver.q._writer._sock, frame, fds)
+            got = receiver.answer()
+            assert got[0] == "error" and got[3] and what in got[2], (frame, got)
+        shm_core.send_fds(receiver.q._writer._sock, [b"P", pickle.dumps(np.arange(3.0))], [good_segment.fd] * 3)
+        assert receiver.answer() == ("ok", "<f8", (3,), 3.0)
+        receiver.takes_a_good_message()
+        assert len(os.listdir(fds_dir)) <= before + 1  # (the good message's segment, kept for its next arrival)
+    finally:
+        os.close(spill)
+
+
 def test_descriptor_references_are_checked(receiver, good_segment):
     fd = good_segment.fd
     for ref, fds in [(("m", 1), [fd]), (("m", -1), [fd]), (("m", 1 << 70), [fd]), (("c", 0), []), (("m", 0), [])]:

@@ -229,27 +229,38 @@ def dequeue(sock: socket.socket, flags: int = 0) -> tuple[bytes, list[int]]:
     """Take one message off the socket, as sent (raises BlockingIOError, EOFError: then nothing was taken)."""
     data, fds, _ = shm_core.recv_fds(sock, INLINE + 16, MAX_FDS + 1, flags)
     if not data:
-        for fd in fds:
-            os.close(fd)
+        _close(fds)
         raise EOFError("the other end of the channel is closed")
     return data, fds
 
 
 def unpack(data: bytes, fds: list[int]) -> tuple[bytes | memoryview, list[int]]:
-    """A dequeued message's pickle bytes and its array descriptors (None: a plain pickle)."""
-    if data[:1] == b"S":
-        n = int.from_bytes(data[1:9], "little")
-        spill_fd = fds.pop()
+    """A dequeued message's pickle bytes and its array descriptors (None: a plain pickle). A message that
+    fits no kind of the wire format comes from another process, forged or corrupted: SegmentError, its
+    descriptors closed."""
+    kind = data[:1]
+    if kind == b"H":
+        return memoryview(data)[1:], fds
+    if kind == b"S" and len(data) == 9 and fds:
         try:
-            seg = shm_core.attach_fd(spill_fd, expected_size=n)
-        finally:
-            os.close(spill_fd)
+            seg = shm_core.attach_fd(fds[-1], expected_size=int.from_bytes(data[1:9], "little"))
+        except BaseException:
+            _close(fds)
+            raise
+        os.close(fds.pop())
         data = bytes(memoryview(seg))
         seg.close()
         return data, fds
-    if data[:1] == b"P":
-        return memoryview(data)[1:], None  # names no shared memory: a plain pickle
-    return memoryview(data)[1:], fds
+    _close(fds)  # a plain pickle names no descriptor
+    if kind == b"P":
+        return memoryview(data)[1:], None
+    raise shm_core.SegmentError(f"message of kind {bytes(kind)!r} with {len(data)} bytes and {len(fds)} "
+                                "descriptors fits no kind of arraymp's wire format (forged or corrupted message)")
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 def loads(data: bytes, fds: list[int] | None):

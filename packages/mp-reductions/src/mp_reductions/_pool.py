@@ -191,9 +191,12 @@ def _drain(q) -> None:
 def _next_task(reader, waiter, dirty: bool):
     """The next task as _split's; collect garbage first when none comes within _IDLE_WAIT; EOFError once the
     pool's process is gone (``waiter`` polls the reader and the parent's sentinel)."""
-    if dirty and not reader.poll(_IDLE_WAIT):
-        gc.collect()
-    if not any(fd == reader.fileno() and events & select.POLLIN for fd, events in waiter.poll()):
+    events = waiter.poll(_IDLE_WAIT * 1000) if dirty else None
+    if not events:
+        if dirty:
+            gc.collect()
+        events = waiter.poll()
+    if not any(fd == reader.fileno() and ev & select.POLLIN for fd, ev in events):
         raise EOFError("the pool's process is gone")
     return _split(*reader._recv())
 
