@@ -43,6 +43,16 @@ def test_pool_api(ctx):
         ctx.Pool(0)
 
 
+def test_maxtasksperchild_warns_that_it_is_not_applied(ctx):
+    with pytest.warns(RuntimeWarning, match="maxtasksperchild is not applied on a Dask cluster") as record, \
+            ctx.Pool(2, maxtasksperchild=1) as p:
+        assert p.map(nap, [0, 1]) == [0, 1]
+    assert record[0].filename == __file__  # the caller's line
+    with pytest.warns(RuntimeWarning, match="max_tasks_per_child is not applied"), \
+            ctx.ProcessPoolExecutor(2, max_tasks_per_child=1) as ex:
+        assert list(ex.map(nap, [0])) == [0]
+
+
 def test_executor_api(ctx):
     with ctx.ProcessPoolExecutor() as ex:
         fut = ex.submit(g, np.ones(3), b=np.ones(3))

@@ -82,3 +82,25 @@ def test_a_holder_of_another_group_keeps_the_segment_past_its_group(env, actors)
         kill(holder.pid)
         holder.wait(10)
         holder.stdout.close()
+
+
+def test_a_clean_exit_closes_the_daemon_connection_and_unlinks(env):
+    """A program that made and held a named segment exits: nothing is left, and its daemon connection is closed
+    before the interpreter goes down, after every exit hook that may release a segment (a socket left to the
+    interpreter's teardown warns 'unclosed socket' when it is collected). ``check`` runs last of the exit hooks
+    (registered first)."""
+    code = ("import atexit\n"
+            "def check():\n"
+            "    import shm_manager._client as c\n"
+            "    print('open' if any(x.sock is not None for x in c._conns.values()) else 'closed', flush=True)\n"
+            "atexit.register(check)\n"
+            "import shm_core, shm_manager\n"
+            "seg = shm_core.create(4096, name=shm_manager.new_name())\n"
+            "seg.incref(); shm_manager.register(seg.name); shm_manager.hold(seg.name)\n"
+            "print(seg.name, shm_manager.daemon_pid(), flush=True)\n")
+    out = subprocess.run([sys.executable, "-X", "dev", "-c", code], capture_output=True, text=True, timeout=60,
+                         env=env)
+    assert out.returncode == 0, out.stderr
+    name, _daemon, state = out.stdout.split()
+    assert state == "closed" and "ResourceWarning" not in out.stderr, (out.stdout, out.stderr)
+    wait_until(lambda: not os.path.exists(os.path.join(env["ARRAYMP_SHM_DIR"], name)), 10, "the segment to go")

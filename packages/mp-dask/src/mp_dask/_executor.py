@@ -3,7 +3,8 @@
 Returns real ``concurrent.futures.Future`` objects, set from the callbacks of
 our tasks (see _tasks.py); ``map`` chunks as the stdlib's does, with its own
 helpers. ``max_workers`` is what ``_max_workers`` reports (Dask decides where
-tasks run); ``max_tasks_per_child`` is accepted and checked but not applied.
+tasks run); ``max_tasks_per_child`` is checked, and not applied, with a warning
+(see ``_tasks.not_applied``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import threading
 from concurrent import futures
 from concurrent.futures.process import _chain_from_iterable_of_lists, _get_chunks, _process_chunk
 
-from ._tasks import Tasks, apply_star
+from ._tasks import Tasks, apply_star, not_applied
 
 
 class ProcessPoolExecutor(futures.Executor):
@@ -24,6 +25,8 @@ class ProcessPoolExecutor(futures.Executor):
             raise ValueError("max_workers must be greater than 0")
         if max_tasks_per_child is not None and (not isinstance(max_tasks_per_child, int) or max_tasks_per_child <= 0):
             raise ValueError("max_tasks_per_child must be >= 1")
+        if max_tasks_per_child is not None:
+            not_applied("max_tasks_per_child")
         self._tasks = Tasks(context, initializer, initargs)
         self._max_workers = max_workers or context.cpu_count()
         self._lock = threading.Lock()

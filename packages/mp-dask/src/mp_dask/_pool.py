@@ -4,8 +4,8 @@ Adapts ``multiprocessing/pool.py``: ``ApplyResult``, ``MapResult``,
 ``IMapIterator`` and ``IMapUnorderedIterator`` are the stdlib's own, fed by
 the callbacks of our tasks (see _tasks.py) instead of a result-handler thread.
 ``processes`` only sizes the default chunks (Dask decides where and how many
-tasks run at once: one per worker thread); ``maxtasksperchild`` is accepted and
-checked but not applied (Dask workers are shared, long-lived processes).
+tasks run at once: one per worker thread); ``maxtasksperchild`` is checked, and
+not applied, with a warning (see ``_tasks.not_applied``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import itertools
 from multiprocessing.pool import ApplyResult as _ApplyResult
 from multiprocessing.pool import IMapIterator, IMapUnorderedIterator, MapResult
 
-from ._tasks import Tasks, apply_star, call_star, map_star, starmap_star
+from ._tasks import Tasks, apply_star, call_star, map_star, not_applied, starmap_star
 
 RUN, CLOSE, TERMINATE = "RUN", "CLOSE", "TERMINATE"
 
@@ -34,6 +34,8 @@ class Pool:
             raise ValueError("Number of processes must be at least 1")
         if maxtasksperchild is not None and (not isinstance(maxtasksperchild, int) or maxtasksperchild <= 0):
             raise ValueError("maxtasksperchild must be a positive int or None")
+        if maxtasksperchild is not None:
+            not_applied("maxtasksperchild")
         self._cache: dict = {}
         self._tasks = Tasks(context, initializer, initargs)
         self._processes = processes or context.cpu_count()

@@ -18,6 +18,7 @@ import functools
 import itertools
 import threading
 import uuid
+import warnings
 from multiprocessing.pool import ExceptionWithTraceback
 
 from distributed import WorkerPlugin
@@ -52,6 +53,17 @@ def map_star(func, chunk):
 
 def starmap_star(func, chunk):
     return list(itertools.starmap(func, chunk))
+
+
+def not_applied(name: str) -> None:
+    """Dask workers are long-lived processes shared by every task of the cluster, holding data (arguments
+    scattered to them, results) that goes with them: retiring one after N tasks of a pool loses what Dask
+    cannot move first (two workers retiring together have nowhere to move it; tried), so the limit is not
+    applied, and the caller is told."""
+    warnings.warn(f"{name} is not applied on a Dask cluster: its workers are long-lived processes shared by "
+                  "every task, holding data that would be lost if one were replaced after N tasks; restart them "
+                  "with client.restart() between batches, or start workers with --lifetime", RuntimeWarning,
+                  stacklevel=4)
 
 
 class Initializer(WorkerPlugin):

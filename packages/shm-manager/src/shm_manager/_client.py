@@ -357,7 +357,22 @@ def _at_exit() -> None:
     _closing = True  # no daemon is started while the interpreter goes down
 
 
+def _close_connections() -> None:
+    """Last at exit, after every finalizer that may release a segment (multiprocessing's run after atexit's
+    hooks, this one after them): send what is left and close the daemon connections, which the daemon reads
+    as this process's end, as after os._exit (no socket is left for the interpreter to warn about)."""
+    try:
+        flush(0.5)
+    except Exception:
+        pass
+    with _lock:
+        for c in _conns.values():
+            _drop(c)
+
+
 os.register_at_fork(after_in_child=_after_fork_in_child)
 import atexit  # noqa: E402
+from multiprocessing import util as _mp_util  # noqa: E402
 
 atexit.register(_at_exit)
+_mp_util.Finalize(None, _close_connections, exitpriority=-100)
