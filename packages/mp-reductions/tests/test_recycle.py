@@ -8,7 +8,7 @@ import _recycle_targets
 import mp_reductions as mpr
 import numpy as np
 import pytest
-from mp_reductions import _recycle
+from mp_reductions import _recycle, _shared
 from mp_reductions._shared import segment_of
 
 
@@ -138,6 +138,29 @@ def test_a_segment_held_longer_than_idle_comes_round_again():
     time.sleep(_recycle.BUSY_IDLES * _recycle.IDLE + 0.6)  # ``again`` is held all along
     assert not any(seg is first for seg, _, _ in _recycle._state.pool)
     assert again[1] == 2 and (again == np.arange(100_000.0) * 2).all()
+
+
+def test_the_pool_keeps_few_descriptors_of_its_own():
+    # each pooled memfd segment keeps its descriptor: the pool holds at most a quarter of the descriptor budget,
+    # so it never pushes the descriptors of the arrays a program holds out of the LRU (_shared Note [descriptors])
+    import resource
+
+    old = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (128, old[1]))  # a budget of 32 descriptors
+    try:
+        q = mpr.Queue()
+        kept = []
+        for i in range(20):
+            q.put(np.full(20_000, i, np.float64))
+            kept.append(q.get(timeout=5))
+            assert sum(not seg.name for seg, _, _ in _recycle._state.pool) <= _shared.fd_budget() // 4 == 8
+        assert [int(k[0]) for k in kept] == list(range(20))
+        del kept
+        q.close()
+        q.join_thread()
+    finally:
+        _recycle.release_all()
+        resource.setrlimit(resource.RLIMIT_NOFILE, old)
 
 
 def test_memory_pressure_releases_the_pool():

@@ -153,9 +153,18 @@ def sent(seg: shm_core.Segment) -> None:
     with st.lock:
         now = time.monotonic()
         st.pool.append([seg, now, now])
-        while len(st.pool) > POOL_MAX or sum(entry[0].length for entry in st.pool) > KEEP_BYTES:
+        while _over(st.pool):
             _shared.release_fd(st.pool.pop(0)[0])
         _ensure_reaper(st)
+
+
+def _over(pool: list) -> bool:
+    """More pooled than POOL_MAX segments, KEEP_BYTES bytes, or memfd segments than a quarter of the
+    descriptor budget (each keeps its descriptor: more would push live arrays' out of the LRU, _shared
+    Note [descriptors])."""
+    memfds = sum(not entry[0].name for entry in pool)
+    return (len(pool) > POOL_MAX or memfds > _shared.fd_budget() // 4
+            or sum(entry[0].length for entry in pool) > KEEP_BYTES)
 
 
 def received(seg: shm_core.Segment) -> None:
