@@ -330,7 +330,10 @@ class _Slots:
             self.owner[job, i] = k
 
     def settle_failed(self) -> None:
-        """Fail the tasks that could not be sent with their error (the stdlib's task handler does so too)."""
+        """Fail the tasks that could not be sent with their error (the stdlib's task handler does so too). Each
+        thread that sends calls this after sending: it sees its own failures without the lock."""
+        if not self.failed:
+            return
         with self.cond:
             failed, self.failed = self.failed, []
         for job, i, e in failed:
@@ -369,7 +372,11 @@ class _Slots:
             if k2 is None or (k is not None and k2 != k):
                 return False
             del self.owner[job, i]
-            self.sent[k2] = collections.deque(t for t in self.sent[k2] if t[0] != (job, i))
+            sent = self.sent[k2]
+            if sent[0][0] == (job, i):  # a worker takes its tasks in order: the common case
+                sent.popleft()
+            else:
+                self.sent[k2] = collections.deque(t for t in sent if t[0] != (job, i))
             self._send_ready()
             return True
 
@@ -384,6 +391,10 @@ class _Slots:
             self.deaths.append((k, w.pid, w.exitcode, [task for task, _ in taken]))
 
     def take_deaths(self) -> list[tuple]:
+        """The deaths recorded (none without the lock: the worker handler nudges the result handler after it
+        records one, so one missed here is read at its next wake)."""
+        if not self.deaths:
+            return []
         with self.cond:
             deaths, self.deaths = self.deaths, []
             return deaths
