@@ -46,6 +46,7 @@ Counters (this process; ``DaskContext.transfer_counters`` sums a cluster):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import ipaddress
@@ -173,8 +174,8 @@ def _dumps(obj: Shipped, context=None):
         set_sharing_strategy("file_system")  # Note [Same-node transport]
     buffers: list = []
     f = io.BytesIO()
-    with message_copies() as copy:
-        _Pickler(f, buffers, copy if handles else None).dump(obj.value)
+    with message_copies() if handles else contextlib.nullcontext() as copy:
+        _Pickler(f, buffers, copy).dump(obj.value)
     frames = [f.getbuffer(), *(b.raw() for b in buffers)]
     return {"same_node": obj.same_node, "handles": handles}, frames
 

@@ -50,6 +50,7 @@ import numpy as np
 import shm_core
 
 from . import _shared
+from ._strategy import get_sharing_strategy
 
 REFS = shm_core.VIEWS_OFFSET  # messages in flight + processes with views (Note [recycling])
 IDLE = float(os.environ.get("ARRAYMP_RECYCLE_IDLE", "1.0"))
@@ -118,6 +119,9 @@ def message_copies():
     (``reduce_ndarray``). A small one goes into an arena block; a large one into a recycled segment, back
     to the pool when the block ends and taken again once that message was received and its last view
     dropped (Note [recycling]). Pickle the message inside the block."""
+    if get_sharing_strategy() != "file_system":
+        raise RuntimeError("message_copies() makes named segments, which cross any transport: call "
+                           "set_sharing_strategy('file_system') first")
     copies: list[shm_core.Segment] = []
 
     def copy(arr):
