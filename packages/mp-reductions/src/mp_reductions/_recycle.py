@@ -27,7 +27,8 @@ zero, and one read of it decides. (Two words, read one after the other, could
 both read zero while a reference moved from a view to a message and on to
 another view: a pipeline stage corrupted arrays that way.) A message that is
 never received, or a holder killed, keeps the word up for good: that segment
-leaves the pool ``BUSY_IDLES * IDLE`` seconds after it was sent.
+counts as busy for ``BUSY_IDLES * IDLE`` seconds after it was sent at most,
+and leaves the pool ``IDLE`` seconds later.
 
 A pooled segment is idle once it is free: it is dropped after ``IDLE``
 seconds free and untaken (a reaper thread), however long its receivers held
