@@ -2,6 +2,8 @@
 
 import multiprocessing
 import os
+import subprocess
+import sys
 import time
 
 import _recycle_targets
@@ -238,3 +240,25 @@ def test_message_copies_are_recycled_only_once_received_and_dropped():
             p.join()
         mpr.set_sharing_strategy("file_descriptor")
         _recycle.release_all()
+
+
+def test_a_full_tmpfs_gives_back_the_pool_before_failing(mount_tmpfs):
+    # the pool keeps free copy segments for reuse (Note [recycling]); on a small /dev/shm (a container's 64 MiB)
+    # they must never be what makes a new array fail: any new segment that does not fit gives them back first
+    d = str(mount_tmpfs("8m"))
+    code = (
+        "import mp_reductions as m, numpy as np\n"
+        "from mp_reductions import _recycle\n"
+        "_recycle.IDLE = 60.0  # the reaper does not give them back meanwhile\n"
+        "m.init_reductions(); m.set_sharing_strategy('file_system')\n"
+        "q = m.SimpleQueue()\n"
+        "for i in range(2):\n"
+        "    q.put(np.full(3 << 18, i, np.float32)); assert q.get()[0] == i  # a 3 MiB copy, pooled once free\n"
+        "assert _recycle._state.pool\n"
+        "a = m.empty_shared(6 << 20, np.uint8); a[:] = 1\n"
+        "print('ok', len(_recycle._state.pool))\n"
+    )
+    # (named segments: memfd ones live on the kernel's own tmpfs, which a test cannot make small)
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ARRAYMP_SHM_DIR": d}, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.split() == ["ok", "0"], r.stderr

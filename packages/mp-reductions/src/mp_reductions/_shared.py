@@ -62,6 +62,7 @@ import mmap
 import os
 import resource
 import threading
+import time
 import weakref
 from multiprocessing import util
 
@@ -186,7 +187,29 @@ def fd_key(fd: int) -> tuple:
 
 def new_segment(size: int, strategy: str | None = None, name: str | None = None) -> shm_core.Segment:
     """A fresh segment of ``size`` data bytes under the current (or given) strategy (file_system: ``name``,
-    from shm_manager.new_name(), or a new one)."""
+    from shm_manager.new_name(), or a new one). Where it does not fit, the segments this process keeps for
+    reuse (_recycle) are given back and it is tried again: they never make a new array fail. (A named one
+    goes when its daemon has taken the last count back: the tries go on for up to a second.)"""
+    try:
+        return _create(size, strategy, name)
+    except shm_core.SharedMemoryFullError:
+        from . import _recycle  # (it imports this module)
+
+        if not _recycle.release_all():
+            raise
+    shm_manager.flush()
+    deadline, delay = time.monotonic() + 1.0, 0.005
+    while True:
+        try:
+            return _create(size, strategy, name)
+        except shm_core.SharedMemoryFullError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(2 * delay, 0.1)
+
+
+def _create(size: int, strategy: str | None, name: str | None) -> shm_core.Segment:
     if (strategy or get_sharing_strategy()) == "file_system":
         seg = shm_core.create(size, name=name or shm_manager.new_name())
         seg.incref()
