@@ -105,8 +105,8 @@ def take(nbytes: int, named: bool = False) -> shm_core.Segment:
             return seg
         except OSError:
             pass
-    return _shared.new_segment(nbytes, "file_system" if named else "file_descriptor")  # (gives the pool back
-    # and tries again where it does not fit)
+    # a segment that does not fit gives this pool back and is tried again (new_segment)
+    return _shared.new_segment(nbytes, "file_system" if named else "file_descriptor")
 
 
 @contextlib.contextmanager
