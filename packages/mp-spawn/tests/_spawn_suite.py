@@ -12,6 +12,7 @@ or :func:`time_limit`, queue reads through ``get(timeout=...)``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import itertools
 import json
@@ -25,6 +26,7 @@ import select
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import _spawn_targets as targets
@@ -414,6 +416,118 @@ class SpawnSuite:
             driver.wait(timeout=WAIT_S)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(f"/dev/shm/{name}")
+
+    def test_resource_tracker_cleans_up_behind_a_slow_grandchild(self, tmp_path):
+        # The child leaves a psm_* segment to the resource tracker (under fork,
+        # one it started in its own group) and a grandchild that inherited the
+        # tracker's pipe and takes 2 s to handle SIGTERM. When the supervisor is
+        # killed, the group reaper SIGKILLs what is left of the group after 1 s:
+        # not the tracker, which must see the grandchild go and unlink the segment.
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
+        code = (
+            "import _spawn_targets as t; "
+            f"t.shared_memory_slow_grandchild_driver({str(tmp_path)!r}, {self.start_method!r})"
+        )
+        with open(tmp_path / "stderr.txt", "w") as stderr:  # the tracker warns about what it cleaned
+            driver = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=stderr)
+        segment = None
+        grandchild: dict[int, int] = {}
+        try:
+            wait_for((tmp_path / "ready").exists, what="the child to leave a segment and a grandchild")
+            info = json.loads((tmp_path / "ready").read_text())
+            segment = f"/dev/shm/{info['segment']}"
+            grandchild = {info["grandchild"]: proc_state(info["grandchild"])[1]}
+            assert info["segment"].startswith("psm_") and os.path.exists(segment)
+            driver.kill()
+            driver.wait(timeout=WAIT_S)
+            wait_for(lambda: not os.path.exists(segment), 10.0, f"the resource tracker to unlink {segment}")
+            assert still_alive_after(grandchild, DEATH_DEADLINE_S) == []
+        finally:
+            driver.kill()
+            driver.wait(timeout=WAIT_S)
+            kill_survivors(grandchild)
+            if segment is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(segment)
+
+    @pytest.mark.parametrize("pidfds", [True, False], ids=["pidfd", "no-pidfd"])
+    def test_join_does_not_wait_for_a_double_forked_daemon(self, tmp_path, monkeypatch, pidfds):
+        # The child starts a daemon (fork, setsid, fork) that lives 60 s and
+        # returns. The daemon holds a copy of every descriptor of the child,
+        # the write end of its sentinel pipe included; join must return when
+        # the child is gone, as Process.join does, and leave the daemon (in a
+        # session of its own) alive.
+        if not pidfds:
+
+            def no_pidfd_open(pid, flags=0):
+                raise OSError(errno.ENOSYS, "pidfd_open is not available")
+
+            monkeypatch.setattr(os, "pidfd_open", no_pidfd_open)
+        path = tmp_path / "daemon.pid"
+        daemon: dict[int, int] = {}
+        try:
+            with time_limit(10.0):
+                mp_spawn.start_processes(
+                    targets.double_fork_daemon, args=(str(tmp_path),), nprocs=1, start_method=self.start_method
+                )
+            pid = int(path.read_text())
+            daemon = {pid: proc_state(pid)[1]}
+            assert alive(pid), "the group reaper killed a daemon that left the group"
+        finally:
+            if not daemon and path.exists():
+                pid = int(path.read_text())
+                daemon = {pid: proc_state(pid)[1]} if proc_state(pid) else {}
+            kill_survivors(daemon)
+
+    @pytest.mark.parametrize("payload", [0, 4 * 1024 * 1024], ids=["small-args", "args-larger-than-a-pipe"])
+    def test_script_without_main_guard_is_told_so(self, tmp_path, payload):
+        # spawn and forkserver children import the main module again: a script
+        # that calls spawn at its top level calls it again in each child. The
+        # parent's exception must say the script needs the guard.
+        if payload and self.start_method == "spawn":
+            pytest.skip(
+                "the stdlib's spawn start holds the child's end of the pipe while it writes the arguments: "
+                "a child that dies before it read them hangs Process.start"
+            )
+        script = tmp_path / "unguarded.py"
+        if self.start_method == "spawn":
+            call = "mp.spawn(fn, args=(payload,), nprocs=2)"
+        else:
+            call = f"mp.start_processes(fn, args=(payload,), nprocs=2, start_method={self.start_method!r})"
+        error_path = tmp_path / "error.txt"
+        script.write_text(
+            textwrap.dedent(
+                f"""\
+                import mp_spawn as mp
+
+
+                def fn(i, payload):
+                    pass
+
+
+                payload = b"x" * {payload}
+                try:
+                    {call}
+                except mp.ProcessException as exc:
+                    with open({str(error_path)!r}, "w") as fh:
+                        fh.write(f"{{type(exc).__name__}}: {{exc}}")
+                    raise
+                print("done")
+                """
+            )
+        )
+        result = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, timeout=WAIT_S, cwd=tmp_path
+        )
+        if self.start_method == "fork":  # fork children do not import the main module
+            assert (result.returncode, result.stdout) == (0, "done\n"), result.stderr
+            return
+        assert result.returncode == 1, result.stderr
+        message = error_path.read_text()
+        assert message.startswith("ProcessRaisedException: "), message
+        assert 'The script needs `if __name__ == "__main__":`' in message
+        assert f'File "{script}", line 10, in <module>' in message  # where the script starts processes
+        assert "could not unpickle" not in message
 
     def test_ctrl_c_reaches_children_and_descendants(self, tmp_path):
         # On a terminal, `while not ctx.join(...)` and Ctrl-C: the children lead

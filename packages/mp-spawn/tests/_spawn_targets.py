@@ -308,3 +308,64 @@ def ctrl_c_driver(directory, start_method):
     )
     while not ctx.join(timeout=1.0):
         pass
+
+
+# --- what a child leaves behind: daemons, cleanup daemons ---
+
+
+def double_fork_daemon(i, directory):
+    """Start a daemon the classic way (fork, setsid, fork), wait for it to write its pid to
+    ``daemon.pid``, and return.  The daemon inherits every descriptor of this process."""
+    path = os.path.join(directory, "daemon.pid")
+    intermediate = os.fork()
+    if intermediate == 0:
+        try:
+            os.setsid()
+            if os.fork() == 0:
+                with open(path + ".tmp", "w") as fh:
+                    fh.write(str(os.getpid()))
+                os.rename(path + ".tmp", path)
+                time.sleep(LONG_SLEEP_S)
+        finally:
+            os._exit(0)
+    os.waitpid(intermediate, 0)
+    deadline = time.monotonic() + LONG_SLEEP_S
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def leak_shared_memory_behind_slow_grandchild(i, directory):
+    """Create an unnamed-by-us ``SharedMemory`` (a ``psm_*`` name) and leave it for the resource
+    tracker; fork a grandchild, which inherits the tracker's pipe and takes 2 s to handle SIGTERM;
+    write ``ready`` (with the segment's name) and wait to be killed with the supervisor."""
+    from multiprocessing import shared_memory
+
+    segment = shared_memory.SharedMemory(create=True, size=4096)
+    segment.close()
+    grandchild = os.fork()
+    if grandchild == 0:
+        try:
+
+            def slow_exit(signum, frame):
+                time.sleep(2.0)
+                os._exit(0)
+
+            signal.signal(signal.SIGTERM, slow_exit)
+            open(os.path.join(directory, "grandchild-ready"), "w").close()
+            time.sleep(LONG_SLEEP_S)
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + LONG_SLEEP_S
+    while not os.path.exists(os.path.join(directory, "grandchild-ready")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with open(os.path.join(directory, "ready.tmp"), "w") as fh:
+        json.dump({"segment": segment.name, "grandchild": grandchild}, fh)
+    os.rename(os.path.join(directory, "ready.tmp"), os.path.join(directory, "ready"))
+    time.sleep(LONG_SLEEP_S)
+
+
+def shared_memory_slow_grandchild_driver(directory, start_method):
+    """The main of a separate program, to be killed with SIGKILL once ``ready`` exists."""
+    mp_spawn.start_processes(
+        leak_shared_memory_behind_slow_grandchild, args=(directory,), nprocs=1, join=True, start_method=start_method
+    )

@@ -45,8 +45,9 @@ the group once the child is gone, however it went::
             terminates it), an exception, a return ...
                                   killpg(C, SIGTERM) -------> most exit; cleanup daemons
                                   wait <= 1 s for them          (resource tracker) ignore
-                                  killpg(C, SIGKILL) -------> it, clean up and exit;
-                                                              the rest are killed, R too
+                                  SIGKILL each member  -----> it; the rest are killed;
+                                    but the cleanup daemons     the daemons clean up and
+                                  exit                          exit (Note [cleanup daemons])
 
 Note [pid reuse]
 ~~~~~~~~~~~~~~~~
@@ -59,11 +60,15 @@ reaper watches its child the same way.
 Note [process groups]
 ~~~~~~~~~~~~~~~~~~~~~
 Invariant: the group reaper is a member of its child's process group from
-before ``fn`` runs until it sends the group SIGKILL.  A process group's id is
-not handed out again while the group has a member, so ``killpg(C)`` from the
-reaper reaches C's group and no one else's, even after C is dead and its pid
-recycled.  The reaper ignores SIGINT, SIGTERM and SIGHUP, so signals meant for
-the group (``killpg`` in user code, its own SIGTERM) do not take it away first.
+before ``fn`` runs until it has sent SIGKILL to the group's other members.  A
+process group's id is not handed out again while the group has a member, so
+``killpg(C)`` from the reaper reaches C's group and no one else's, even after C
+is dead and its pid recycled; and a process whose ``/proc`` entry says group C
+is in C's group.  SIGKILL goes to each member by pidfd, after a check of its
+start time and group (Note [pid reuse]): a member that left the group in
+between (``setsid``) is spared.  The reaper ignores SIGINT, SIGTERM and
+SIGHUP, so signals meant for the group (``killpg`` in user code, its own
+SIGTERM) do not take it away first.
 
 Covered: everything the child starts that stays in its process group
 (``subprocess.Popen``, ``os.fork``, ``multiprocessing`` pools and managers,
@@ -76,6 +81,21 @@ watchdog's scan of the child's process tree finds it first, which happens
 only when the watchdog, not PR_SET_PDEATHSIG, ends the child, and only while
 the descendant is still below the child.  A reaper killed by someone else
 kills nothing.
+
+Note [cleanup daemons]
+~~~~~~~~~~~~~~~~~~~~~~
+Some processes exist to clean up after the others: multiprocessing's resource
+tracker (started by the first ``SharedMemory`` or semaphore of a fork child,
+in the child's group) unlinks the segments its clients leaked once the last
+holder of its pipe is gone; shm-manager's daemon does the same for named
+segments.  They ignore SIGTERM.  SIGKILL, sent to the whole group while a
+grandchild that inherited the tracker's pipe was still handling SIGTERM, would
+kill the tracker before it sees the end of its pipe, and ``psm_*`` segments
+would stay in /dev/shm.  So the reaper never kills a cleanup daemon, known by
+its command line (``_CLEANUP_DAEMONS``): it SIGKILLs the other members one by
+one and leaves; the daemons see their clients go, clean up and exit on their
+own, as they do outside mp-spawn.  A daemon that still serves someone outside
+the group (a process that left it) goes on serving it.
 
 The price of a session of its own: the child has no controlling terminal, so
 what the terminal sends (Ctrl-C, Ctrl-Z, Ctrl-\\, hangup) reaches only the
@@ -104,6 +124,12 @@ _POLL_INTERVAL_S = 0.2
 # How long the group reaper lets a dead child's group handle SIGTERM before it sends SIGKILL.
 _GROUP_GRACE_S = 1.0
 _GROUP_POLL_INTERVAL_S = 0.05
+# The command lines of the cleanup daemons the group reaper lets finish (Note [cleanup daemons]):
+# an argument that follows the flag starts with the prefix.
+_CLEANUP_DAEMONS = (
+    (b"-c", b"from multiprocessing.resource_tracker import main"),  # the stdlib's resource tracker
+    (b"-m", b"shm_manager._daemon"),  # shm-manager's (it starts in a session of its own anyway)
+)
 
 
 def _stat_fields(pid: int) -> list[str] | None:
@@ -196,12 +222,48 @@ def descendants(root: int) -> list[int]:
     return order
 
 
-def _others_in_group(pgid: int) -> bool:
-    """Whether a process other than this one runs in process group ``pgid`` (zombies do not count)."""
-    me = os.getpid()
+def _is_cleanup_daemon(pid: int) -> bool:
+    """Whether ``pid``'s command line is one of ``_CLEANUP_DAEMONS`` (Note [cleanup daemons])."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            argv = fh.read().split(b"\0")
+    except OSError:
+        return False
     return any(
-        int(fields[2]) == pgid and fields[0] not in ("Z", "X", "x") and pid != me for pid, fields in _scan().items()
+        flag == option and value.startswith(prefix)
+        for flag, prefix in _CLEANUP_DAEMONS
+        for option, value in zip(argv, argv[1:])
     )
+
+
+def _group_members(pgid: int) -> set[tuple[int, int]]:
+    """(pid, start time) of each process of group ``pgid`` but this one, zombies and cleanup daemons."""
+    me = os.getpid()
+    return {
+        (pid, int(fields[19]))
+        for pid, fields in _scan().items()
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X", "x") and pid != me and not _is_cleanup_daemon(pid)
+    }
+
+
+def _kill_member(pid: int, started: int, pgid: int) -> None:
+    """SIGKILL ``pid`` if it is still the process that started at ``started``, in group ``pgid``."""
+    try:
+        fd = _open_pidfd(pid, started)
+    except ProcessLookupError:
+        return
+    try:
+        fields = _stat_fields(pid)
+        if fields is not None and int(fields[2]) == pgid:  # else it left the group since: not ours
+            if fd is None:
+                os.kill(pid, signal.SIGKILL)
+            else:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+    except OSError:
+        pass  # gone, or not ours to signal (a setuid program)
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def _die() -> None:
@@ -314,11 +376,11 @@ def _close_inheritable() -> list[tuple[int, int]]:
 
 
 def _reap_group(leader: int, started: int | None) -> None:
-    """The group reaper's main: once ``leader`` is gone, end its process group, this process included.
+    """The group reaper's main: once ``leader`` is gone, end its process group.
 
-    SIGTERM first: cleanup daemons such as multiprocessing's resource tracker
-    ignore it and exit once the processes they serve are gone, having cleaned
-    up after them; then SIGKILL, after at most ``_GROUP_GRACE_S``.
+    SIGTERM first; then, after at most ``_GROUP_GRACE_S``, SIGKILL to each
+    member but the cleanup daemons, which exit on their own once the processes
+    they serve are gone, having cleaned up after them (Note [cleanup daemons]).
     """
     if os.getpgid(0) != leader:
         return  # not in the child's group: without the invariant of Note [process groups], kill nothing
@@ -332,9 +394,14 @@ def _reap_group(leader: int, started: int | None) -> None:
         _wait_for_exit(fd, leader, started)
     os.killpg(leader, signal.SIGTERM)
     deadline = time.monotonic() + _GROUP_GRACE_S
-    while _others_in_group(leader) and time.monotonic() < deadline:
+    while _group_members(leader) and time.monotonic() < deadline:
         time.sleep(_GROUP_POLL_INTERVAL_S)
-    os.killpg(leader, signal.SIGKILL)
+    # Until a scan finds no member not yet killed: what forked before its parent was killed is found by the next.
+    killed: set[tuple[int, int]] = set()
+    while fresh := _group_members(leader) - killed:
+        for pid, started in fresh:
+            _kill_member(pid, started, leader)
+        killed |= fresh
 
 
 def bind_to_parent(parent_pid: int, parent_start: int | None, expected_ppid: int | None) -> None:

@@ -183,14 +183,21 @@ def _type_name(exc: BaseException) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def make_record(exc: BaseException) -> dict:
-    """Describe ``exc`` with plain strings, whatever ``exc`` does when used."""
+def make_record(exc: BaseException, stack: traceback.StackSummary | None = None) -> dict:
+    """Describe ``exc`` with plain strings, whatever ``exc`` does when used.
+
+    ``stack``, when given, is the traceback to show for an exception not raised yet.
+    """
     try:
         message = str(exc)
     except BaseException as e:  # noqa: BLE001 - a broken __str__ must not hide the error
         message = f"<str() failed: {type(e).__name__}>"
     try:
-        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        if stack is None:
+            tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        else:
+            tb = "Traceback (most recent call last):\n" + "".join(stack.format())
+            tb += "".join(traceback.format_exception_only(type(exc), exc))
     except BaseException:  # noqa: BLE001
         tb = f"Traceback unavailable\n{_type_name(exc)}: {message}\n"
     try:
@@ -207,9 +214,9 @@ def make_record(exc: BaseException) -> dict:
     }
 
 
-def write_record(path: str, exc: BaseException) -> bool:
+def write_record(path: str, exc: BaseException, stack: traceback.StackSummary | None = None) -> bool:
     """Write ``exc``'s record to ``path`` atomically; False when that failed."""
-    record = make_record(exc)
+    record = make_record(exc, stack)
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         with open(tmp, "wb") as fh:

@@ -11,7 +11,11 @@ top of the stdlib ``multiprocessing`` contexts.  What changed:
 * the child reports every ``BaseException`` (KeyboardInterrupt included)
   through an error file (Note [error files, not pipes] in ``_errors``), and a
   fatal signal's Python stack through ``faulthandler``;
-* ``join`` reports every failure it finds, not only the first.
+* ``join`` reports every failure it finds, not only the first;
+* ``join`` waits on each child's exit (a pidfd), not on its sentinel pipe,
+  which a double-forked daemon inherits (Note [waiting for exits]);
+* a script that starts processes without ``if __name__ == "__main__":`` gets
+  an error that says so (Note [unguarded main]).
 
 ::
 
@@ -21,7 +25,7 @@ top of the stdlib ``multiprocessing`` contexts.  What changed:
     start_processes --Process.start()-->     _wrap: bind_to_parent (deathsig)
                                                open D/i.fault  (= "started")
     ProcessContext.join                        fn(i, *args)
-      wait(sentinels)                          on BaseException: write D/i.error,
+      wait(pidfds)                             on BaseException: write D/i.error,
       on failure: grace, SIGTERM, SIGKILL        stop own children, exit 1
       read + remove D/i.error, D/i.fault
       raise ProcessRaisedException / ProcessExitedException
@@ -36,11 +40,42 @@ start waits for one child boot.  Starting every process from its own thread
 overlaps those waits.  But PR_SET_PDEATHSIG fires when the *thread* that
 forked the child exits (torch found its spawn children killed by SIGINT when
 its thread pool finished, and gave up on parallel spawn).  So a spawn starter
-thread stays alive, blocked on the child's sentinel, until its child exits.
-forkserver children are forked by the fork server, so their starter threads
-end at once.  fork children are started from the calling thread, one by one
+thread stays alive, blocked in ``waitid(WNOWAIT)`` (which reaps nothing), until
+its child exits.  forkserver children are forked by the fork server, so their
+starter threads end at once.  fork children are started from the calling thread, one by one
 (fork is cheap, and forking from a helper thread would make every later fork
 warn about threads on Python >= 3.12).
+
+Note [waiting for exits]
+~~~~~~~~~~~~~~~~~~~~~~~~
+``Process.sentinel`` of a fork or spawn child is the read end of a pipe whose
+write end the child holds; it turns readable when every copy of that end is
+closed.  ``os.fork`` copies every descriptor, so a daemon the child starts the
+classic way (fork, ``setsid``, fork: it leaves the child's group, and the group
+reaper lets it live) holds the pipe open: waiting on sentinels, ``join`` would
+return only when the daemon exits, where ``Process.join`` (``waitpid``)
+returns at once.  So ``join`` waits on a pidfd of each child, readable when
+the child itself exits.  An unreaped child keeps its pid, so the pidfd cannot
+name a stranger.  A forkserver child is the fork server's: its sentinel is a
+pipe the fork server writes the exit code into, which is right as it is.
+Where there are no pidfds (Linux < 5.3, seccomp), a thread per child blocks in
+``waitid(WNOWAIT)`` (which reaps nothing) and then writes a byte into a pipe:
+data, unlike the end of a pipe, cannot be held back by an inherited copy.
+
+Note [unguarded main]
+~~~~~~~~~~~~~~~~~~~~~
+A spawn or forkserver child imports the main module again (as ``__mp_main__``)
+before it reads its function.  A script that calls ``spawn`` at its top level,
+without ``if __name__ == "__main__":``, calls it again there; the stdlib
+refuses to start processes then and the child exits with code 1, which the
+parent could only report as "terminated with exit code 1 before it could run
+its function".  So ``start_processes``, called while the process imports the
+main module for a start (``current_process()._inheriting``, the flag the
+stdlib checks), raises a RuntimeError that names the guard, and writes it to
+the error file of this child, for the parent to raise as usual.  The child
+knows that file from its process name: the parent sends the name to the child
+before the main module (the one thing it sends first), so it appends the path
+(``_NAME_TAG``) for the start and takes it off again on both sides.
 """
 
 from __future__ import annotations
@@ -57,6 +92,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import warnings
 import weakref
 
@@ -95,12 +131,17 @@ _live_contexts: weakref.WeakSet[ProcessContext] = weakref.WeakSet()
 
 _fault_file = None  # the child's faulthandler file, kept open until exit
 
+# Appended to a spawn or forkserver child's name for its start, with its error file (Note [unguarded main]).
+_NAME_TAG = " mp_spawn-error-file="
+
 
 # --- the child's side -------------------------------------------------------
 
 
 def _wrap(fn, i, args, error_dir, parent_pid, parent_start, expected_ppid, exit_timeout):
     """The target of every child process."""
+    current = multiprocessing.current_process()
+    current.name = current.name.partition(_NAME_TAG)[0]
     _deathsig.bind_to_parent(parent_pid, parent_start, expected_ppid)
     _enable_faulthandler(os.path.join(error_dir, f"{i}.fault"))
     try:
@@ -113,6 +154,20 @@ def _wrap(fn, i, args, error_dir, parent_pid, parent_start, expected_ppid, exit_
         _stop_own_children()
         _arm_exit_backstop(exit_timeout)
         sys.exit(1)
+
+
+def _refuse_unguarded_start() -> None:
+    """Raise the error of a script without ``if __name__ == "__main__":``, in the child (Note [unguarded main])."""
+    exc = RuntimeError(
+        "a spawn or forkserver child called spawn() or start_processes() while it imported the main module again "
+        "(as __mp_main__, which such a child does before it runs its function): the script starts processes at "
+        "its top level (see the traceback). "
+        'The script needs `if __name__ == "__main__":`; put the code that starts processes under it.'
+    )
+    path = multiprocessing.current_process().name.partition(_NAME_TAG)[2]
+    if path:  # a child of ours: its parent raises this error too
+        _errors.write_record(path, exc, stack=traceback.extract_stack(sys._getframe(1)))
+    raise exc
 
 
 def _enable_faulthandler(path: str) -> None:
@@ -152,7 +207,10 @@ class ProcessContext:
     def __init__(self, processes, error_files):
         self.processes = list(processes)
         self.error_files = list(error_files)
-        self.sentinels = {process.sentinel: index for index, process in enumerate(self.processes)}
+        # Readable when the process exited (Note [waiting for exits]); those in _exit_fds are ours to close.
+        self._exit_fds: set[int] = set()
+        weakref.finalize(self, _close_fds, self._exit_fds)
+        self.sentinels = {self._exit_fd(process): index for index, process in enumerate(self.processes)}
         self._owner_pid = os.getpid()
         self._error_dir: str | None = None
         self._finalizer = None
@@ -192,8 +250,7 @@ class ProcessContext:
             raise
         failed = []
         for sentinel in ready:
-            index = self.sentinels.pop(sentinel)
-            self._reap(index)
+            index = self._reap(sentinel)
             if self.processes[index].exitcode != 0:
                 failed.append(index)
 
@@ -228,8 +285,26 @@ class ProcessContext:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(process.pid, signum)
 
-    def _reap(self, index: int) -> None:
-        """Join a finished process and collect (then remove) its files."""
+    def _exit_fd(self, process) -> int:
+        """A descriptor that turns readable when ``process`` exits (Note [waiting for exits])."""
+        pid = process.pid
+        fields = _deathsig._stat_fields(pid)
+        if fields is None or int(fields[1]) != os.getpid():
+            return process.sentinel  # a forkserver child (or one joined already)
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:  # no pidfds
+            fd, write_end = os.pipe()
+            threading.Thread(target=_signal_exit, args=(pid, write_end), name="mp_spawn-exit", daemon=True).start()
+        self._exit_fds.add(fd)
+        return fd
+
+    def _reap(self, sentinel: int) -> int:
+        """Join the finished process of ``sentinel`` and collect (then remove) its files; return its index."""
+        index = self.sentinels.pop(sentinel)
+        if sentinel in self._exit_fds:
+            self._exit_fds.discard(sentinel)
+            os.close(sentinel)
         process = self.processes[index]
         process.join()
         record = None
@@ -246,6 +321,7 @@ class ProcessContext:
             except FileNotFoundError:
                 started = False
         self._outcomes[index] = (record, fault, started)
+        return index
 
     def _failed_on_its_own(self, index: int) -> bool:
         exitcode = self.processes[index].exitcode
@@ -274,7 +350,7 @@ class ProcessContext:
             if remaining <= 0:
                 return
             for sentinel in multiprocessing.connection.wait(list(self.sentinels), timeout=remaining):
-                self._reap(self.sentinels.pop(sentinel))
+                self._reap(sentinel)
 
     def _terminate(self, first_wait: float | None, term_wait: float) -> None:
         """Wait, SIGTERM, wait, SIGKILL: afterwards every process is joined."""
@@ -296,9 +372,8 @@ class ProcessContext:
                 )
                 self._signalled.setdefault(index, time.time())
                 process.kill()
-        for sentinel, index in list(self.sentinels.items()):
-            del self.sentinels[sentinel]
-            self._reap(index)
+        for sentinel in list(self.sentinels):
+            self._reap(sentinel)
 
     def _finish(self) -> None:
         """Forget this context once every process is joined; remove its directory."""
@@ -317,6 +392,22 @@ class SpawnContext(ProcessContext):
             stacklevel=2,
         )
         super().__init__(processes, error_files)
+
+
+def _signal_exit(pid: int, write_end: int) -> None:
+    """Write a byte to ``write_end`` once child ``pid`` exited (Note [waiting for exits])."""
+    with contextlib.suppress(ChildProcessError):  # reaped already (is_alive() in _terminate may reap it)
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+    with contextlib.suppress(OSError):  # the context was dropped and closed the read end
+        os.write(write_end, b"x")
+    os.close(write_end)
+
+
+def _close_fds(fds: set[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    fds.clear()
 
 
 def _combine(exceptions: list[ProcessException]) -> ProcessException:
@@ -387,17 +478,15 @@ def _starter(process, keep_alive: bool, done: threading.Event, errors: list, ind
     """Body of a starter thread (Note [starter threads])."""
     try:
         process.start()
-        sentinel = os.dup(process.sentinel) if keep_alive else None
     except BaseException as exc:  # noqa: BLE001 - handed to the caller
         errors[index] = exc
         return
     finally:
         done.set()
-    if sentinel is not None:
-        try:
-            multiprocessing.connection.wait([sentinel])
-        finally:
-            os.close(sentinel)
+    if keep_alive:
+        # Not the sentinel: a double-forked daemon would hold it (Note [waiting for exits]).
+        with contextlib.suppress(ChildProcessError):
+            os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)
 
 
 def _start_all(processes, start_method: str) -> None:
@@ -459,6 +548,8 @@ def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method
     if nprocs < 0:
         raise ValueError(f"nprocs must be at least 0, got {nprocs}")
     mp = multiprocessing.get_context(start_method)
+    if start_method != "fork" and getattr(multiprocessing.current_process(), "_inheriting", False):
+        _refuse_unguarded_start()
     parent_pid = os.getpid()
     parent_start = _deathsig.start_time(parent_pid)
     _remove_stale_dirs()
@@ -475,12 +566,23 @@ def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method
         for i in range(nprocs)
     ]
     error_files = [os.path.join(error_dir, f"{i}.error") for i in range(nprocs)]
+    if start_method != "fork":
+        for process, path in zip(processes, error_files):
+            process.name += _NAME_TAG + path  # Note [unguarded main]
     try:
         _start_all(processes, start_method)
-    except BaseException:
+    except BaseException as exc:
         _kill_started(processes)
+        # A child that refused to start said why; the start then failed writing to it (a broken pipe).
+        records = [(i, _errors.read_record(path)) for i, path in enumerate(error_files)]
         shutil.rmtree(error_dir, ignore_errors=True)
+        for i, record in records:
+            if record is not None:
+                raise _errors.raised_exception(i, processes[i].pid, record) from exc
         raise
+    finally:
+        for process in processes:
+            process.name = process.name.partition(_NAME_TAG)[0]
     context = ProcessContext(processes, error_files)
     context._error_dir = error_dir
     # Removes the directory when every process is joined, or when the context
