@@ -26,7 +26,10 @@ def pyproject_version(folder: pathlib.Path) -> str:
 
 
 def arraymp(*args, command=(sys.executable, "-m", "arraymp")):
-    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([*command, *args], capture_output=True, timeout=300)
+    # decoded without text=True's newline translation, which would turn a redraw's "\r" into "\n"
+    out.stdout, out.stderr = out.stdout.decode(), out.stderr.decode()
+    return out
 
 
 def test_version_names_arraymp_and_its_five_packages():
@@ -80,3 +83,19 @@ def test_bench_runs_on_sizes_with_units_and_reports_gib_per_second():
     out = arraymp("bench", "--quick", "--repeat", "1", "--sizes", "64KiB")
     assert out.returncode == 0, out.stderr
     assert "fresh 64 KiB" in out.stdout and "GiB/s" in out.stdout and "GB/s" not in out.stdout
+    # it says first what it compares, on which sizes and start method, and for about how long; stderr is a pipe
+    # here: plain lines, no progress redrawn with carriage returns
+    head = out.stderr.splitlines()[:2]
+    assert "arraymp (file_descriptor) against the stdlib" in head[0]
+    assert "sizes 64 KiB" in head[1] and "start method spawn" in head[1] and "1 repeats" in head[1]
+    assert re.search(r"about \d+ s to \d+ s", head[1])
+    assert "\r" not in out.stderr and "repeat 1/1 done" in out.stderr
+
+
+def test_demo_writes_plain_progress_lines_when_stderr_is_not_a_terminal():
+    out = arraymp("demo", "--quick")  # stderr is a pipe
+    assert out.returncode == 0, out.stderr
+    assert "\r" not in out.stderr, "progress bars redrawn into a pipe"
+    assert "pipeline, fresh 8 MiB arrays [arraymp]: 16 messages\n" in out.stderr
+    assert all(line.strip() for line in out.stderr.splitlines()), "blank lines where bars would have ended"
+    assert "speed-up" in out.stdout

@@ -241,7 +241,56 @@ def memory_peak(shared: bool, nbytes: int = 1 << 30) -> float:
 
 
 def human(n: int) -> str:
-    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+    if n >= 1 << 30 and n % (1 << 30) == 0:
+        return f"{n >> 30} GiB"
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB" if n >= 1 << 10 else f"{n} B"
+
+
+class Status:
+    """Progress on stderr. On a terminal, ``show`` redraws one line in place; anywhere else (a pipe, a file, a
+    CI log) it writes nothing, so the output holds plain lines only, never carriage-return redraws. ``line``
+    writes a line that stays, either way."""
+
+    def __init__(self, stream=None):
+        self.stream = sys.stderr if stream is None else stream
+        try:
+            self.tty = self.stream.isatty()
+        except (AttributeError, ValueError):  # no isatty, or closed
+            self.tty = False
+        self.drawn = 0  # length of the line shown in place, 0 when none
+
+    def show(self, text: str) -> None:
+        if self.tty:
+            self.stream.write("\r" + text.ljust(self.drawn))
+            self.stream.flush()
+            self.drawn = len(text)
+
+    def done(self) -> None:
+        """Ends the line shown in place, which stays on the screen."""
+        if self.drawn:
+            self.stream.write("\n")
+            self.drawn = 0
+
+    def line(self, text: str) -> None:
+        if self.drawn:  # clear what show() drew
+            self.stream.write("\r" + " " * self.drawn + "\r")
+            self.drawn = 0
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+
+def estimate(sizes: list[int], repeat: int, quick: bool, systems: list[str], pickled_rate: float) -> float:
+    """Rough seconds of a run whose pickling Queue moves ``pickled_rate`` bytes/s: the stdlib's copies dominate."""
+    streamed = sum((_count(n, quick) + 3) * n for n in sizes)  # one fresh stream of each size, warm-up included
+    seconds = 2 * streamed / pickled_rate  # the stdlib pickles its "shared" arrays too
+    seconds += (len(systems) - 1) * streamed / (2 << 30)  # arraymp, torch: one copy into a segment, ~2 GiB/s
+    seconds += len(systems) * 4 * (300 if quick else 2000) * 300e-6  # ping-pong, Queue and Pipe
+    seconds = repeat * seconds + 2 * len(systems)  # consumers' start
+    return seconds if quick else seconds + 20  # the peak-memory runs
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m arraymp bench") -> int:
@@ -264,15 +313,27 @@ def main(argv: list[str] | None = None, prog: str = "python -m arraymp bench") -
         import torch  # noqa: F401
 
         names += ["torch-fd", "torch-fs"]
+        others = "the stdlib (pickling) and torch (file_descriptor, file_system)"
     except ImportError:
-        print("torch is not importable: comparing against the stdlib only (pip install torch==2.13.0)")
+        others = "the stdlib (pickling); not torch, which does not import (pip install torch==2.13.0)"
+    status = Status()
+    low, high = (estimate(args.sizes, args.repeat, args.quick, names, rate * (1 << 30)) for rate in (0.5, 0.15))
+    status.line(f"{prog}: arrays producer -> consumer through a Queue(maxsize=2), and ping-pong over Queue and Pipe: "
+                f"arraymp ({args.strategy}) against {others}")
+    status.line(f"  sizes {', '.join(human(n) for n in args.sizes)}, fresh and shared; start method spawn, one "
+                f"consumer per system; {args.repeat} repeats" + ("" if args.quick else ", then peak memory")
+                + f"; about {_duration(low)} to {_duration(high)} on 2 cores"
+                + ("" if args.quick else " (--quick: less)"))
+    t_start = time.perf_counter()
     systems = [System(n) for n in names]
     results: dict[tuple, list[float]] = {}
     try:
-        for _ in range(args.repeat):
+        for r in range(args.repeat):
             for nbytes in args.sizes:
                 for shared in (False, True):
                     for s in systems:
+                        status.show(f"  repeat {r + 1}/{args.repeat}: {'shared' if shared else 'fresh'} "
+                                    f"{human(nbytes)}, {s.name}")
                         # the stdlib pickles even a "shared" array: bound its run by bytes, as for fresh ones
                         copies = not shared or s.name == "stdlib"
                         n = _count(nbytes, args.quick) if copies else (1000 if args.quick else 5000)
@@ -280,9 +341,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m arraymp bench") -
                         results.setdefault((s.name, nbytes, shared), []).append(n / dt)
             for pipe in (False, True):
                 for s in systems:
+                    status.show(f"  repeat {r + 1}/{args.repeat}: ping-pong {'Pipe' if pipe else 'Queue'}, {s.name}")
                     results.setdefault((s.name, "pingpong", pipe), []).append(s.pingpong(300 if args.quick else 2000,
                                                                                         pipe))
+            status.line(f"  repeat {r + 1}/{args.repeat} done ({time.perf_counter() - t_start:.0f} s)")
     finally:
+        status.done()
         for s in systems:
             s.close()
     med = {k: statistics.median(v) for k, v in results.items()}
@@ -307,6 +371,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m arraymp bench") -
             row += f"{med[('arraymp', 'pingpong', pipe)] / med[(c, 'pingpong', pipe)]:12.2f}"
         print(row + "   (latency: ratio < 1 is faster)")
     if not args.quick:
+        status.line("  peak memory of a 1 GiB transfer (arraymp)")
         print(f"\npeak memory sending one 1 GiB array (arraymp): pre-shared {memory_peak(True):.2f}x, "
               f"fresh {memory_peak(False):.2f}x the array")
     return 0

@@ -1,5 +1,6 @@
 """Contexts: the stdlib's, with our Queue / SimpleQueue / JoinableQueue / Pipe / Pool,
-and ``ProcessPoolExecutor`` over our context (adapts multiprocessing/context.py).
+and ``ProcessPoolExecutor`` over our context (adapts multiprocessing/context.py; the
+executor is concurrent/futures/process.py's, which replaces retired workers here).
 
 Every factory is a lazy method, as in the stdlib; ``get_context(method)``
 returns our context for that start method, and ``get_context("dask", ...)``
@@ -12,7 +13,9 @@ setting, as in torch.multiprocessing.
 from __future__ import annotations
 
 import multiprocessing
+import threading
 from concurrent import futures
+from concurrent.futures import process as _futures_process
 from multiprocessing import context as mpc
 
 
@@ -130,10 +133,53 @@ class ProcessPoolExecutor(futures.ProcessPoolExecutor):
 
     Results come back through our SimpleQueue (arrays by shared memory); the
     executor's call queue is the stdlib's, which shares arrays by descriptor
-    passing once the reductions are registered.
+    passing once the reductions are registered. Workers that retire at
+    ``max_tasks_per_child`` are replaced where the stdlib's executor hangs
+    (Note [replacing workers]).
     """
 
     def __init__(self, max_workers=None, mp_context=None, initializer=None, initargs=(), **kwargs):
         if mp_context is None:  # as the stdlib's: spawn when workers are replaced (max_tasks_per_child)
             mp_context = default_context.get_context("spawn" if kwargs.get("max_tasks_per_child") is not None else None)
         super().__init__(max_workers, mp_context, initializer, initargs, **kwargs)
+
+    def _adjust_process_count(self):
+        # The stdlib calls this from submit() and, when a worker retired at max_tasks_per_child, from its manager
+        # thread (under the shutdown lock); only the second call is ours to change. See Note [replacing workers].
+        manager = threading.current_thread()
+        if (getattr(self, "_max_tasks_per_child", None) is None  # Python 3.10 has none; else workers never retire
+                or not isinstance(manager, _futures_process._ExecutorManagerThread)
+                or manager.executor_reference() is not self):
+            return super()._adjust_process_count()
+        if len(manager.processes) >= self._max_workers:
+            return
+        if manager.is_shutting_down() and not manager.pending_work_items:
+            return  # shut down with nothing left to run: the manager ends the pool next
+        p = self._mp_context.Process(target=_futures_process._process_worker,
+                                     args=(manager.call_queue, manager.result_queue, self._initializer,
+                                           self._initargs, self._max_tasks_per_child))
+        p.start()
+        manager.processes[p.pid] = p
+
+
+# Note [replacing workers]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# concurrent.futures hangs for good once a worker must be replaced (CPython gh-115634, Python 3.11 up to 3.13.x
+# releases without GH-140900): its "idle worker" semaphore counts completed tasks, not idle workers. Every task a
+# worker finishes without retiring releases a token that only submit() takes back, so with a backlog queued the
+# tokens outlive the idle moments they stood for, and the worker itself once it retires. The manager thread then
+# replaces a retired worker through _adjust_process_count(), which takes such a stale token, concludes that a
+# worker is idle and starts none; when the last worker has retired, the queued tasks wait forever:
+#
+#   submit x6 -> A, B started          A: task 1 done -> token     A: task 2 done, retires
+#   manager: A retired -> _adjust_process_count() takes A's token -> no replacement (same for B) -> 0 workers
+#
+# As GH-140900 does upstream, a retired worker is replaced whenever the pool is below max_workers, without asking
+# the semaphore; submit() keeps the stdlib's on-demand start and reuse of idle workers. The replacement is built
+# from the manager thread's own references (processes, call and result queues), because shutdown(wait=False)
+# clears the executor's while the manager still runs the queued work (gh-119592). Nothing is started once the
+# pool is shut down with no work left. A future's done-callback that calls submit() runs in the manager thread
+# too: it starts a worker without asking the semaphore, never more than max_workers. A worker that dies (not
+# retires) breaks the pool, as in the stdlib. Left as in the stdlib: an executor garbage-collected with work
+# queued cannot be reached from its manager, which then replaces no worker (upstream fails those futures with
+# BrokenProcessPool since gh-152967).

@@ -6,14 +6,13 @@ quarter of its work, --full four times as much. Process start-up is not timed.""
 from __future__ import annotations
 
 import multiprocessing
-import sys
 import time
 
 import numpy as np
 
 import arraymp
 
-from ._bench import _as, _plain_pickling
+from ._bench import Status, _as, _plain_pickling
 
 
 def _consume(q, results, n, plain):
@@ -65,15 +64,16 @@ def _pool(ctx, n, bar, plain):
 
 
 class _Bar:
-    def __init__(self, total):
-        self.total, self.done = total, 0
+    """A progress bar redrawn in place on a terminal; nothing where stderr is not one (Status)."""
+
+    def __init__(self, total, status):
+        self.total, self.done, self.status = total, 0, status
 
     def step(self):
         self.done += 1
         filled = 40 * self.done // self.total
         if filled != 40 * (self.done - 1) // self.total:  # at most 40 redraws
-            sys.stderr.write(f"\r  [{'#' * filled}{'.' * (40 - filled)}] {100 * self.done // self.total:3d}%")
-            sys.stderr.flush()
+            self.status.show(f"  [{'#' * filled}{'.' * (40 - filled)}] {100 * self.done // self.total:3d}%")
 
 
 BIG = (1024, 2048)  # float32: 8 MiB
@@ -90,15 +90,16 @@ def main(scale: float = 1) -> int:
         ("pool, 1 MiB results", lambda c, n, b, p: _pool(c, n, b, p), 256, 256, 1),
     ]
     print("arraymp demo: arrays through processes by shared memory (arraymp) vs pickling (stdlib)")
+    status = Status()
     rows = []
     for name, job, n_ours, n_stdlib, mib in jobs:
         rates = {}
         for label, ctx, n in (("arraymp", ours, n_ours), ("stdlib", stdlib, n_stdlib)):
             n = max(4, int(n * scale))
-            sys.stderr.write(f"{name} [{label}]\n")
+            status.line(f"{name} [{label}]: {n} messages")
             with _as(label):
-                rates[label] = n * mib / 1024 / job(ctx, n, _Bar(n), label == "stdlib")
-            sys.stderr.write("\n")
+                rates[label] = n * mib / 1024 / job(ctx, n, _Bar(n, status), label == "stdlib")
+            status.done()
         rows.append((name, rates["arraymp"], rates["stdlib"]))
     print(f"\n{'job':34} {'arraymp GiB/s':>14} {'stdlib GiB/s':>13} {'speed-up':>9}")
     for name, a, s in rows:

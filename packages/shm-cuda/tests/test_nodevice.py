@@ -1,5 +1,6 @@
 """What a machine without a usable GPU sees (skipped where a device is present)."""
 
+import importlib.util
 import os
 import pickle
 import subprocess
@@ -33,6 +34,10 @@ def _has_device():
 
 
 pytestmark = pytest.mark.skipif(_has_device(), reason="a CUDA device is present: these check the no-device paths")
+# cupy is an extra (cuda12 / cuda13): without it, what importing cupy does cannot be checked
+needs_cupy = pytest.mark.skipif(importlib.util.find_spec("cupy") is None,
+                                reason="cupy is not installed (shm-cuda[cuda12] or [cuda13]): these check what "
+                                       "importing cupy does")
 
 
 def run(code):
@@ -41,6 +46,7 @@ def run(code):
     return out.stdout.splitlines()
 
 
+@needs_cupy
 def test_registers_when_cupy_is_imported_and_errors_without_device():
     # init_reductions neither imports cupy nor touches CUDA; importing cupy registers
     lines = run(CODE)
@@ -49,6 +55,7 @@ def test_registers_when_cupy_is_imported_and_errors_without_device():
     assert lines[2].startswith("NoDeviceError:") and "CUDA_VISIBLE_DEVICES" in lines[2]
 
 
+@needs_cupy
 def test_registers_at_once_when_cupy_is_imported_already():
     lines = run("import cupy\n" + CODE)
     assert lines[0] == "True ['ndarray'] True"
@@ -114,6 +121,7 @@ def test_driver_calls_name_the_missing_driver():
         _cuda._call("cuMemGetAddressRange_v2")
 
 
+@needs_cupy
 def test_a_probe_for_cupy_does_not_use_up_the_registration():
     lines = run("import importlib.util\nassert importlib.util.find_spec('cupy')\n" + CODE)
     assert lines[:2] == ["False [] False", "['ndarray'] False"]

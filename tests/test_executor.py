@@ -1,0 +1,139 @@
+"""arraymp's ProcessPoolExecutor (concurrent.futures' over our context): workers retiring at max_tasks_per_child are
+replaced (the stdlib's hangs, CPython gh-115634), fork refuses max_tasks_per_child as the stdlib does, and arrays
+move as arguments, results and initargs under every start method."""
+
+import concurrent.futures
+import json
+import multiprocessing
+import os
+import pathlib
+import subprocess
+import sys
+from collections import Counter
+
+import _work
+import numpy as np
+import pytest
+
+import arraymp as mp
+
+METHODS = ["spawn", "forkserver", "fork"]
+TASKS, N = 20, 1 << 14  # 20 tasks of 128 KiB float64 arrays: above the 64 KiB inline threshold
+
+needs_max_tasks = pytest.mark.skipif(sys.version_info < (3, 11),
+                                     reason="max_tasks_per_child is new in Python 3.11's concurrent.futures")
+
+
+def square_and_pid(x):  # run by the workers, found in this module
+    return x * x, os.getpid()
+
+
+# Run in a fresh interpreter: an executor that hangs there cannot stall pytest, and a hang ends the run with every
+# thread's stack (the workers of a hung pool are killed first).
+RETIRING = """
+import concurrent.futures, faulthandler, json, os, sys
+import numpy as np
+import arraymp as mp
+import test_executor as t
+
+method, max_tasks, wait = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "wait"
+ctx = None if method == "default" else mp.get_context(method)
+ex = mp.ProcessPoolExecutor(2, mp_context=ctx, max_tasks_per_child=max_tasks)
+processes = ex._processes  # shutdown() forgets them
+futures = [ex.submit(t.square_and_pid, np.full(t.N, i, np.float64)) for i in range(t.TASKS)]
+if not wait:
+    ex.shutdown(wait=False)  # the queued work still runs, as documented
+done, pending = concurrent.futures.wait(futures, timeout=90)
+if pending:
+    sys.stderr.write(f"{len(pending)} of {len(futures)} tasks never finished; workers left: {list(processes)}\\n")
+    faulthandler.dump_traceback()
+    for p in list(processes.values()):
+        p.kill()
+    os._exit(3)
+out = [(float(r.min()), float(r.max()), r.shape[0], mp.is_shared(r), pid) for r, pid in (f.result() for f in futures)]
+ex.shutdown()
+print(json.dumps({"start_method": ex._mp_context.get_start_method(), "results": out}))
+"""
+
+
+def run_retiring(method, max_tasks, wait=True):
+    path = [str(pathlib.Path(__file__).parent), os.environ.get("PYTHONPATH")]  # this module, for the workers
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
+    out = subprocess.run([sys.executable, "-c", RETIRING, method, str(max_tasks), "wait" if wait else "nowait"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def check_retiring(got, max_tasks):
+    results = got["results"]
+    assert len(results) == TASKS
+    for i, (low, high, n, shared, _) in enumerate(results):
+        assert (low, high, n, shared) == (i * i, i * i, N, True)  # right result, moved by shared memory
+    per_worker = Counter(pid for *_, pid in results)
+    assert max(per_worker.values()) <= max_tasks  # the stdlib's semantics: then the worker is replaced
+
+
+@needs_max_tasks
+@pytest.mark.parametrize("max_tasks", [1, 2])
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_retired_workers_are_replaced_until_all_tasks_ran(method, max_tasks):
+    got = run_retiring(method, max_tasks)
+    assert got["start_method"] == method
+    check_retiring(got, max_tasks)
+
+
+@needs_max_tasks
+def test_short_form_with_max_tasks_per_child_does_not_hang():
+    got = run_retiring("default", 2)  # mp.ProcessPoolExecutor(2, max_tasks_per_child=2): spawn, as the stdlib's
+    assert got["start_method"] == "spawn"
+    check_retiring(got, 2)
+
+
+@needs_max_tasks
+def test_queued_work_runs_after_shutdown_without_wait():
+    check_retiring(run_retiring("spawn", 1, wait=False), 1)
+
+
+@needs_max_tasks
+def test_fork_refuses_max_tasks_per_child_as_the_stdlib():
+    with pytest.raises(ValueError) as stdlib:
+        concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("fork"),
+                                               max_tasks_per_child=1)
+    for make in (lambda: mp.ProcessPoolExecutor(2, mp_context=mp.get_context("fork"), max_tasks_per_child=1),
+                 lambda: mp.get_context("fork").ProcessPoolExecutor(2, max_tasks_per_child=2)):
+        with pytest.raises(ValueError) as ours:
+            make()
+        assert str(ours.value) == str(stdlib.value)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_arrays_as_arguments_and_results(method):
+    xs = [np.full(N, i, np.float64) for i in range(6)]  # 128 KiB each
+    with mp.ProcessPoolExecutor(2, mp_context=mp.get_context(method)) as ex:
+        got = list(ex.map(_work.double, xs, timeout=120))
+        assert all((g == 2 * x).all() and g.shape == x.shape and mp.is_shared(g) for g, x in zip(got, xs, strict=True))
+        shared = mp.zeros_shared((N,), np.float64)
+        shared[:] = 3
+        assert (ex.submit(_work.double, shared).result(timeout=120) == 6).all()
+    del got
+
+
+_initarg = None
+
+
+def keep(a):
+    global _initarg
+    _initarg = a
+
+
+def initarg_summary():
+    return float(_initarg.sum()), _initarg.shape, _initarg.dtype.str
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_big_array_as_initargs(method):
+    with mp.ProcessPoolExecutor(2, mp_context=mp.get_context(method), initializer=keep,
+                                initargs=(np.arange(1_000_000.0),)) as ex:  # 8 MB
+        got = [ex.submit(initarg_summary).result(timeout=120) for _ in range(4)]
+    assert got == [(float(np.arange(1_000_000.0).sum()), (1_000_000,), "<f8")] * 4
