@@ -9,16 +9,19 @@ on the command line (pip and uv then take those names from the folders and
 never ask an index for them), and release_check proves it."""
 
 import email.parser
+import os
 import pathlib
+import pwd
 import shutil
 import tarfile
+import tempfile
 import zipfile
 
 import nox
 
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.sessions = ["shm_core", "shm_manager", "mp_reductions", "shm_cuda", "mp_spawn", "mp_dask", "facade",
-                        "stdlib_suite", "lint", "release_check"]
+                        "nonroot", "stdlib_suite", "lint", "release_check"]
 
 ROOT = pathlib.Path(__file__).parent
 FOLDERS = [f"packages/{name}" for name in ("shm-core", "shm-manager", "mp-reductions", "shm-cuda", "mp-spawn",
@@ -29,7 +32,7 @@ PKG = {
     "mp_reductions": ["packages/shm-core", "packages/shm-manager", "packages/mp-reductions", "hypothesis"],
     "shm_cuda": ["packages/shm-core", "packages/shm-cuda[cuda12]"],  # cupy: its API is checked without a GPU
     "mp_spawn": ["packages/mp-spawn"],
-    "mp_dask": ["packages/shm-core", "packages/shm-manager", "packages/mp-reductions", "packages/mp-dask"],
+    "mp_dask": [*FOLDERS, "."],  # the facade too: its get_context("dask") is tested here
     "facade": [*FOLDERS, ".[cuda12]"],  # cupy: the lazy registration of its reducer is tested without a GPU
 }
 # What README.md's install needs from an index besides numpy: the build backends of our pyproject.toml files.
@@ -74,6 +77,74 @@ def mp_dask(session):
 @nox.session
 def facade(session):
     _test(session, PKG["facade"], "tests")
+
+
+# A normal user's limits (issue 20): the soft RLIMIT_NOFILE most distributions give, under a hard one that lets a
+# program raise it (systemd's default is 524,288; 65,536 is common too).
+NONROOT_NOFILE = (1024, 65536)
+NONROOT_SUITES = ["shm-core", "shm-manager", "mp-reductions", "mp-spawn"]
+# Run as root: drop to the throw-away user (argv[1]) with a normal user's limits, then run the command (argv[2:]).
+_DROP = """
+import os, pwd, resource, sys
+user = pwd.getpwnam(sys.argv[1])
+soft, hard = %d, %d
+try:  # a hard limit above this machine's needs CAP_SYS_RESOURCE, which a container's root may lack
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, max(hard, resource.getrlimit(resource.RLIMIT_NOFILE)[1])))
+except (OSError, ValueError):
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+os.setgroups([])
+os.setgid(user.pw_gid)
+os.setuid(user.pw_uid)
+os.environ.update(HOME=user.pw_dir, USER=user.pw_name, LOGNAME=user.pw_name)
+os.execvp(sys.argv[2], sys.argv[2:])
+""" % NONROOT_NOFILE
+
+
+@nox.session
+def nonroot(session):
+    """The shm-core, shm-manager, mp-reductions and mp-spawn suites as an unprivileged user with a normal user's
+    descriptor limits: as root, a throw-away user made for the run (and removed after) with a soft RLIMIT_NOFILE of
+    1024 under a hard one of 65,536; unprivileged, as the user it is. The suites and a venv of their packages are
+    copied to a folder the user can read (this checkout may lie under root's home)."""
+    if os.geteuid() != 0:
+        session.install(*PKG["mp_reductions"], "packages/mp-spawn", "pytest")
+        for name in NONROOT_SUITES:
+            session.run("python", "-m", "pytest", "-p", "no:cacheprovider", f"packages/{name}/tests", *session.posargs)
+        return
+    session.install("uv")
+    user = f"arraymp-nr{os.getpid()}"
+    base = pathlib.Path(tempfile.mkdtemp(prefix="arraymp-nonroot-"))
+    try:
+        base.chmod(0o755)
+        session.run("python", "-m", "venv", str(base / "venv"))
+        py = str(base / "venv" / "bin" / "python")
+        session.run("uv", "pip", "install", "-q", "--python", py, *PKG["mp_reductions"], "packages/mp-spawn",
+                    "pytest")
+        for name in NONROOT_SUITES:
+            shutil.copytree(ROOT / "packages" / name, base / name, ignore=shutil.ignore_patterns("__pycache__", "src"))
+        session.run("useradd", "--system", "--home-dir", str(base / "home"), "--create-home", "--shell", "/bin/sh",
+                    user, external=True)
+        try:
+            session.run("chown", "-R", f"{user}:", *(str(base / name) for name in NONROOT_SUITES), external=True)
+            for name in NONROOT_SUITES:
+                with session.chdir(base / name):
+                    session.run(py, "-c", _DROP, user, py, "-m", "pytest", "-p", "no:cacheprovider", "tests",
+                                *session.posargs, env={"PYTHONDONTWRITEBYTECODE": "1"}, external=True)
+        finally:
+            _end_user_processes(pwd.getpwnam(user).pw_uid)
+            session.run("userdel", "--remove", user, external=True, success_codes=[0, 12])  # 12: no mail spool
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _end_user_processes(uid: int) -> None:
+    """SIGKILL every process left running as ``uid`` (by pid), so that the user can be removed."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.stat(f"/proc/{pid}").st_uid == uid:
+                os.kill(int(pid), 9)
+        except OSError:
+            pass
 
 
 @nox.session

@@ -20,6 +20,7 @@ import multiprocessing as _mp
 
 from mp_reductions import (
     WorkerLostError,
+    WorkerStartError,
     empty_shared,
     get_all_sharing_strategies,
     get_inline_threshold,
@@ -62,6 +63,7 @@ __all__ = [
     "ProcessRaisedException",
     "SpawnContext",
     "WorkerLostError",
+    "WorkerStartError",
     "empty_shared",
     "get_all_sharing_strategies",
     "get_inline_threshold",

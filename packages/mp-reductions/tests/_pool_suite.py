@@ -53,6 +53,41 @@ class PoolSuite:
     def ctx(self):
         return multiprocessing.get_context(self.method)
 
+    @pytest.mark.parametrize("shared", [False, True], ids=["plain", "shared"])
+    def test_arrays_as_initargs(self, ctx, strategy, shared):
+        # issue 24: a plain array of 64 KiB or more in initargs crashed every spawn / forkserver worker, and the
+        # pool respawned them forever
+        a = mpr.empty_shared(1_000_000) if shared else np.empty(1_000_000)
+        a[:] = np.arange(1_000_000)
+        with mpr.Pool(2, initializer=T.keep, initargs=(a, np.arange(10)), context=ctx) as pool:
+            assert pool.map(T.kept_sum, range(4)) == [float(a.sum()) + 45] * 4
+
+    def test_workers_that_die_before_running_anything_stop_the_pool(self, ctx):
+        # issue 24: an initializer that raises (or initargs a worker cannot unpickle) made the stdlib's Pool, and
+        # ours, respawn crashing workers forever; now every task fails with WorkerStartError, the cause attached
+        pool = mpr.Pool(2, initializer=T.fail, initargs=(7,), context=ctx)
+        try:
+            with pytest.raises(mpr.WorkerStartError, match="died before they could run a task") as info:
+                pool.map_async(T.square, range(10)).get(TIMEOUT)  # (the stdlib's Pool: a TimeoutError)
+            assert isinstance(info.value.__cause__, ValueError) and "bad 7" in str(info.value.__cause__)
+            with pytest.raises(mpr.WorkerStartError):
+                pool.apply_async(T.square, (1,)).get(TIMEOUT)
+            with pytest.raises(mpr.WorkerStartError):
+                pool.imap_unordered(T.square, range(3)).next(TIMEOUT)
+            assert pickle_roundtrip(info.value).failures == info.value.failures >= 2
+            pool.close()
+            pool.join()
+        finally:
+            pool.terminate()
+
+    def test_a_chunk_of_results_that_fits_only_one_by_one_arrives(self, ctx, mount_tmpfs, monkeypatch):
+        # issue 24: a chunk's results went into one segment: 3 results of 3 MiB failed on an 8 MiB shm where each
+        # fits. Copies that do not fit travel in the pickle, as the stdlib sends them.
+        monkeypatch.setenv("ARRAYMP_SHM_DIR", str(mount_tmpfs("8m")))
+        with mpr.Pool(1, initializer=T.share_results, initargs=("file_system",), context=ctx) as pool:
+            got = pool.map(T.three_mib, range(3), chunksize=3)
+        assert [(float(a[0]), float(a[-1]), a.nbytes) for a in got] == [(i, i, 3 << 20) for i in range(3)]
+
     def test_every_call_equals_a_serial_run(self, ctx):
         xs = list(range(40))
         with mpr.Pool(2, context=ctx) as pool:
@@ -272,16 +307,18 @@ class PoolSuite:
         finally:
             mpr.set_sharing_strategy(old)
 
-    def test_parent_short_of_descriptors_delays_results_and_kills_no_handler(self, tmp_path):
+    @pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
+    def test_parent_short_of_descriptors_delays_results_and_kills_no_handler(self, tmp_path, strategy):
         """Issue 12 defect 4: a result the parent cannot receive (no descriptor free) is received once one is;
-        the result handler used to die of it, leaving map_async pending and terminate() raising."""
-        self._run_script(tmp_path, SHORT_OF_DESCRIPTORS_SCRIPT)
+        the result handler used to die of it, leaving map_async pending and terminate() raising. Issue 20: a
+        result in named segments (file_system) was the task's error instead, the result lost."""
+        self._run_script(tmp_path, SHORT_OF_DESCRIPTORS_SCRIPT, strategy)
 
-    def _run_script(self, tmp_path, text) -> str:
+    def _run_script(self, tmp_path, text, *args) -> str:
         script = tmp_path / "script.py"
         script.write_text(text)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(T.__file__), *sys.path])}
-        out = subprocess.run([sys.executable, str(script), self.method], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, str(script), self.method, *args], capture_output=True, text=True,
                              timeout=TIMEOUT * 4, env=env)
         assert out.returncode == 0, out.stderr
         return out.stdout
@@ -314,12 +351,12 @@ if __name__ == "__main__":
     mpr.init_reductions()
     seen = Seen()
     logging.getLogger("mp_reductions.pool").addHandler(seen)
-    pool = mpr.Pool(1, initializer=T.share_results, initargs=("file_descriptor",),
+    pool = mpr.Pool(1, initializer=T.share_results, initargs=(sys.argv[2],),
                     context=multiprocessing.get_context(sys.argv[1]))
     assert pool.apply(T.square, (3,)) == 9  # the worker is up
     limit = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")), limit[1]))  # none free
-    r = pool.map_async(T.five_arrays, range(4), chunksize=1)  # each result carries a descriptor
+    r = pool.map_async(T.five_arrays, range(4), chunksize=1)  # each result carries a descriptor, or names a file
     seen.event.wait(30)  # the result handler says it could not receive
     resource.setrlimit(resource.RLIMIT_NOFILE, limit)
     results = r.get(60)

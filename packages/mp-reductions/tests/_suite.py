@@ -99,7 +99,9 @@ class QueueSuite:
         p.join(30)
         assert p.exitcode == 0 and (x == 42).all()
 
-    def test_stdlib_queue_shares_too(self, ctx, strategy):
+    def test_stdlib_queue_shares_by_name_and_copies_descriptors(self, ctx, strategy):
+        # a channel we do not own (Note [channels we do not own]): named segments travel by name, a memfd one as
+        # a copy in the pickle (its sender may be gone before the receiver could ask for the descriptor)
         x = mpr.zeros_shared((100,), np.float64)
         x[:] = 1
         q, out = ctx.Queue(), ctx.Queue()
@@ -108,11 +110,55 @@ class QueueSuite:
         p.start()
         pid, total, shared = out.get(timeout=60)
         p.join(30)
-        assert (pid, total, shared) == (p.pid, 100.0, True)
+        assert (pid, total, shared) == (p.pid, 100.0, strategy == "file_system")
         q.close()
         out.close()
         q.join_thread()
         out.join_thread()
+
+    @pytest.mark.parametrize("shared", [False, True], ids=["plain", "shared"])
+    @pytest.mark.parametrize("n", [16, 100_000, 1 << 20], ids=["small", "large", "8MiB"])
+    def test_arrays_as_process_arguments(self, ctx, strategy, shared, n):
+        # issue 24: a plain array of 64 KiB or more killed spawn and forkserver children (its temporary segment's
+        # descriptor was closed before the launcher passed it)
+        a = mpr.empty_shared(n) if shared else np.empty(n)
+        a[:] = np.arange(n)
+        out = mpr.Queue()
+        ps = [ctx.Process(target=_targets.report_and_write, args=(a, a[1:], {"a": a}, out)) for _ in range(2)]
+        for p in ps:
+            p.start()
+        got = [out.get(timeout=60) for _ in ps]
+        for p in ps:
+            p.join(30)
+        assert [p.exitcode for p in ps] == [0, 0]
+        total = float(n * (n - 1) // 2)
+        assert got == [(total, total, total)] * 2
+        # a shared array's writes are seen here; a plain one travelled as a copy (fork: inherited)
+        assert a[0] == (-1 if shared else 0)
+        out.close()
+
+    @pytest.mark.parametrize("kind", ["Pipe", "Queue"])
+    @pytest.mark.parametrize("shared", [False, True], ids=["plain", "shared"])
+    @pytest.mark.parametrize("n", [16, 100_000], ids=["small", "large"])
+    def test_stdlib_channels_keep_arrays_whose_sender_exited(self, ctx, strategy, kind, shared, n):
+        # issue 24: after import arraymp, an array sent on the stdlib's Pipe or Queue by a child that then exited
+        # was lost (FileNotFoundError, ConnectionRefusedError): its descriptor was served by the dead sender
+        if kind == "Pipe":
+            recv_end, send_end = ctx.Pipe(duplex=False)
+        else:
+            recv_end = send_end = ctx.Queue()
+        p = ctx.Process(target=_targets.send_on_stdlib_channel, args=(send_end, kind, strategy, shared, n))
+        p.start()
+        p.join(0.5)  # the child exits first where the message fits the pipe (always, when it is a handle)
+        got = recv_end.recv() if kind == "Pipe" else recv_end.get(timeout=60)
+        p.join(30)
+        assert p.exitcode == 0
+        assert got.tolist() == list(range(n))
+        recv_end.close()
+        if kind == "Pipe":
+            send_end.close()
+        else:
+            recv_end.join_thread()
 
     def test_consumer_killed_mid_stream_blocks_no_one(self, ctx, strategy):
         # under file_system, shm_manager's daemon gives back the killed consumer's count
@@ -150,9 +196,9 @@ class QueueSuite:
             mpr.set_sharing_strategy("file_descriptor")
 
     @pytest.mark.parametrize("kind", ["Queue", "SimpleQueue", "Pipe"])
-    def test_receiver_short_of_descriptors_keeps_the_message(self, ctx, kind):
-        # 6 arrays of 128 KiB, one segment (one descriptor) each under the default strategy, file_descriptor;
-        # the child has 2 descriptors free
+    def test_receiver_short_of_descriptors_keeps_the_message(self, ctx, kind, strategy):
+        # 6 arrays of 128 KiB, one segment each: one descriptor each (file_descriptor), or a named file that the
+        # receiver must open (file_system: issue 20, the item was lost); the child has 2 descriptors free
         arrays = [mpr.zeros_shared((16384,), np.float64) for _ in range(6)]
         for i, a in enumerate(arrays):
             a[:] = i

@@ -47,6 +47,25 @@ def write_inherited(x):
     x[:] = 42
 
 
+def report_and_write(a, view, d, out):
+    """Process arguments: the sums past a[0] of an array, a view of it (a[1:]) and the array in a dict; then write
+    a[0] (seen by the parent when ``a`` is shared)."""
+    out.put((float(a[1:].sum()), float(view.sum()), float(d["a"][1:].sum())))
+    a[0] = -1
+
+
+def send_on_stdlib_channel(chan, kind, strategy, shared, n):
+    """Send one array on a stdlib Pipe or Queue and return (the Queue's feeder flushes first)."""
+    mpr.init_reductions()
+    mpr.set_sharing_strategy(strategy)
+    a = mpr.empty_shared(n) if shared else np.empty(n)
+    a[:] = np.arange(n)
+    if kind == "Pipe":
+        chan.send(a)
+    else:
+        chan.put(a)
+
+
 def roundtrip_pipe(conn):
     mpr.init_reductions()
     while True:

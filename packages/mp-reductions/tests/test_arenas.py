@@ -10,6 +10,7 @@ import time
 import weakref
 
 import _arena_targets
+import _targets
 import mp_reductions as mpr
 import numpy as np
 import pytest
@@ -127,18 +128,19 @@ def test_old_received_array_is_sent_again_shared(strategy):
     q.close()
 
 
-def test_stdlib_queue_resends_an_old_array_shared(strategy):
+def test_an_old_array_past_the_budget_goes_shared_as_a_spawn_argument(strategy):
+    # its descriptor was closed by the LRU: the launcher gets it re-opened (Note [channels we do not own])
     q = mpr.SimpleQueue()
     got = []
     for _ in range(_shared.fd_budget() + 5):
         q.put(mpr.zeros_shared(1 << 15))
         got.append(q.get())
-    ctx = multiprocessing.get_context("fork")
-    sq = ctx.SimpleQueue()
-    sq.put(got[0])
-    back = sq.get()
-    back[3] = 9
-    assert got[0][3] == 9
+    p = multiprocessing.get_context("spawn").Process(target=_targets.write_inherited, args=(got[0],))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    assert (got[0] == 42).all()
+    q.close()
 
 
 @pytest.mark.parametrize("size", [1 << 15, 1 << 17])

@@ -10,6 +10,7 @@ malicious peer could send.
 import contextlib
 import ctypes
 import multiprocessing
+import fcntl
 import os
 import pickle
 import queue
@@ -140,11 +141,13 @@ def receiver():
 
 
 def memfd_with(content: bytes, length: int | None = None) -> int:
-    """A memfd holding ``content``, extended to ``length`` bytes with a hole (never allocated)."""
-    fd = os.memfd_create("forged")
+    """A memfd holding ``content``, extended to ``length`` bytes with a hole (never allocated), sealed against
+    resizing as shm_core seals its own (an unsealed one is refused before anything else: test_untrusted)."""
+    fd = os.memfd_create("forged", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.write(fd, content)
     if length is not None:
         os.ftruncate(fd, length)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
     return fd
 
 

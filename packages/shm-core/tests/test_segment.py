@@ -237,9 +237,15 @@ def test_full_tmpfs_raises_instead_of_sigbus(mount_tmpfs, monkeypatch):
         shm_core.create(4 << 20)
     msg = str(info.value)
     assert str(tiny_tmpfs) in msg and "4,194,304" in msg and "bytes free" in msg
-    assert "--shm-size" in msg and "file_descriptor" in msg
+    # the remedy names the directory ARRAYMP_SHM_DIR points at, not /dev/shm (issue 24)
+    assert "ARRAYMP_SHM_DIR" in msg and "/dev/shm" not in msg and "file_descriptor" in msg
     assert info.value.errno == 28 and isinstance(info.value, OSError)
     assert os.listdir(tiny_tmpfs) == []
     small = shm_core.create(1000)  # the process is fine and can still use it
     small.unlink()
     small.close()
+
+
+def test_a_full_dev_shm_says_how_to_enlarge_it():
+    msg = str(shm_core.SharedMemoryFullError("/dev/shm/x", 100, 10, "/dev/shm"))
+    assert "--shm-size" in msg and "remount" in msg and "file_descriptor" in msg

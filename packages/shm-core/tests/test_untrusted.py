@@ -6,6 +6,7 @@ anything is mapped and without touching anything outside the segment directory.
 """
 
 import contextlib
+import fcntl
 import os
 import socket
 import stat
@@ -195,6 +196,32 @@ def test_received_descriptors_must_be_allocated_regular_files():
             os.close(fd)
         a.close()
         b.close()
+
+
+def test_memfd_segments_are_sealed_against_resizing():
+    # issue 20: a sender that shrank its memfd killed a receiver that had mapped it with SIGBUS
+    seg = shm_core.create_anonymous(1 << 20)
+    for size in (0, shm_core.HEADER_SIZE, 4 << 20):
+        with pytest.raises(PermissionError):
+            os.ftruncate(seg.fd, size)
+    with pytest.raises(PermissionError):  # and no one may add a seal (F_SEAL_FUTURE_WRITE) either
+        fcntl.fcntl(seg.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+    other = shm_core.attach_fd(seg.fd)
+    other.ndarray((1 << 17,), "f8")[:] = 1  # every page there, and stays
+    assert os.fstat(seg.fd).st_size == shm_core.HEADER_SIZE + (1 << 20)
+
+
+def test_unsealed_descriptors_are_refused():
+    good = shm_core.create_anonymous(1 << 16)
+    for flags in (0, os.MFD_ALLOW_SEALING):  # a memfd that could be shrunk under the receiver's mapping
+        memfd = os.memfd_create("forged", flags)
+        try:
+            os.write(memfd, good.read(0, shm_core.HEADER_SIZE))
+            os.posix_fallocate(memfd, 0, shm_core.HEADER_SIZE + (1 << 16))
+            with pytest.raises(shm_core.SegmentError, match="not sealed against shrinking"):
+                shm_core.attach_fd(memfd)
+        finally:
+            os.close(memfd)
 
 
 def test_real_segments_are_fully_allocated(shm):

@@ -8,9 +8,9 @@ them that survives dead workers.
 """
 
 from ._connection import Connection, Pipe
-from ._pool import Pool, WorkerLostError
+from ._pool import Pool, WorkerLostError, WorkerStartError
 from ._queues import JoinableQueue, Queue, SimpleQueue
-from ._recycle import message_copies
+from ._recycle import copies_lost, message_copies
 from ._reductions import init_reductions, rebuild_ndarray, reduce_ndarray
 from ._shared import empty_shared, is_shared, share_memory, zeros_shared
 from ._strategy import (
@@ -29,6 +29,8 @@ __all__ = [
     "Queue",
     "SimpleQueue",
     "WorkerLostError",
+    "WorkerStartError",
+    "copies_lost",
     "empty_shared",
     "get_all_sharing_strategies",
     "get_inline_threshold",

@@ -18,6 +18,7 @@ returns the head alone.
 
 from __future__ import annotations
 
+import collections
 import copyreg
 import io
 import os
@@ -96,9 +97,15 @@ class _Pickler(pickle.Pickler):
 
 def _pickle(obj, out: Outgoing, head: bytes = b"") -> tuple[Outgoing, memoryview]:
     try:
-        return _pickle_once(obj, out, head)
-    except CopyMiss:  # the pooled copy segment was too small: once more, with a new one
-        return _pickle_once(obj, Outgoing(out.share_all, pooled=False), head)
+        try:
+            return _pickle_once(obj, out, head)
+        except CopyMiss:  # the pooled copy segment was too small: once more, with a new one
+            return _pickle_once(obj, Outgoing(out.share_all, pooled=False), head)
+    except shm_core.SharedMemoryFullError:
+        # No room for the copies of the message's unshared arrays (all in one segment): they travel in the
+        # pickle instead, as the stdlib sends them (a Pool's chunk of results each of which would fit, a small
+        # /dev/shm); only making a shared array on purpose (empty_shared, share_memory) raises.
+        return _pickle_once(obj, Outgoing(copy_inline=True), head)
 
 
 def _pickle_once(obj, out: Outgoing, head: bytes) -> tuple[Outgoing, memoryview]:
@@ -128,7 +135,7 @@ class Packet:
     def __init__(self, obj=None, *, raw: bytes | None = None, head: bytes = b""):
         if raw is None:
             out, payload = _pickle(obj, Outgoing(), head)
-            if len(payload) > INLINE and out.inlined:
+            if len(payload) > INLINE and out.inlined and not out.copy_inline:
                 # Too big for one socket message: rather than spill the whole
                 # pickle, send its small arrays by shared memory too.
                 out.abort()
@@ -261,6 +268,38 @@ def unpack(data: bytes, fds: list[int]) -> tuple[bytes | memoryview, list[int]]:
 def _close(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
+
+
+# Note [opening named segments]: unpickling a handle to a named segment (file_system)
+# opens its directory and its file (and, the first time, shm-manager's connection):
+# descriptors the message did not bring. A receiver without them must not lose the
+# message half-read (the counts it takes over cannot be taken twice), so before
+# unpickling a message that may name one, the receiver checks that HEADROOM
+# descriptors can be opened; if not, it keeps the message whole in ``pending`` (the
+# channel's, in this process), raises OSError(EMFILE) with the remedy, and its next
+# receive returns that message first. ``_NAMED`` is how pickle writes the first "n" of
+# a named reference (_reductions): a message without it names no named segment (one
+# with it may only hold the string "n": then the check is merely not needed).
+HEADROOM = 3
+_NAMED = b"\x8c\x01n"
+
+
+def check_openable(data, fds: list[int] | None, fd: int) -> None:
+    """Raise OSError(EMFILE) when the received message ``(data, fds)`` may name a named segment and this process
+    could not open it now (Note [opening named segments]); ``fd``: any descriptor of ours, dup'ed to try."""
+    # (the bytes under a view: a memoryview's ``in`` compares its items, never a substring)
+    if fds is not None and _NAMED in (data.obj if isinstance(data, memoryview) else data):
+        shm_core.check_headroom(fd, HEADROOM, "the message is kept: the next receive returns it")
+
+
+def loads_kept(msg: tuple, pending: collections.deque, sock: socket.socket):
+    """``loads`` of a received message ``(data, fds)``, kept first in ``pending`` when it cannot be opened now."""
+    try:
+        check_openable(*msg, sock.fileno())
+    except OSError:
+        pending.appendleft(msg)
+        raise
+    return loads(*msg)
 
 
 def loads(data: bytes, fds: list[int] | None):

@@ -13,12 +13,13 @@ ForkingPickler's registry) still pick our ``__reduce__``. ``fileno()`` lets
 
 from __future__ import annotations
 
+import collections
 import os
 import socket
 from multiprocessing import connection as mp_connection
-from multiprocessing import reduction
+from multiprocessing import reduction, util
 
-from ._channel import Packet, loads, recv_raw, recv_stream, send_stream, socket_from_fd, socketpair
+from ._channel import Packet, loads_kept, recv_raw, recv_stream, send_stream, socket_from_fd, socketpair
 from ._queues import _wait_readable
 from ._reductions import init_reductions
 
@@ -32,6 +33,7 @@ class Connection(mp_connection.Connection):
         if not readable and not writable:
             raise ValueError("at least one of `readable` and `writable` must be True")
         self._sock, self._readable, self._writable = sock, readable, writable
+        self._pending = collections.deque()  # taken but not opened yet (_channel Note [opening named segments])
         if sock.type == socket.SOCK_STREAM:
             self._send, self._recv = self._send_stream, self._recv_stream
 
@@ -91,7 +93,20 @@ class Connection(mp_connection.Connection):
 
     def recv(self):
         self._check(readable=True)
-        return loads(*self._recv())
+        msg = self._next()
+        try:
+            return loads_kept(msg, self._pending, self._sock)
+        except OSError:
+            if self._pending:  # kept: a fork child must not return it too
+                util.register_after_fork(self, Connection._drop_pending)
+            raise
+
+    def _next(self):
+        return self._pending.popleft() if self._pending else self._recv()
+
+    def _drop_pending(self) -> None:
+        while self._pending:
+            _close_all(self._pending.popleft()[1])
 
     def send_bytes(self, buf, offset: int = 0, size: int | None = None) -> None:
         self._check(writable=True)
@@ -107,7 +122,7 @@ class Connection(mp_connection.Connection):
         self._check(readable=True)
         if maxlength is not None and maxlength < 0:
             raise ValueError("negative maxlength")
-        data, fds = self._recv()
+        data, fds = self._next()
         _close_all(fds)
         if maxlength is not None and len(data) > maxlength:
             raise OSError("bad message length")
@@ -115,7 +130,7 @@ class Connection(mp_connection.Connection):
 
     def recv_bytes_into(self, buf, offset: int = 0) -> int:
         self._check(readable=True)
-        data, fds = self._recv()
+        data, fds = self._next()
         _close_all(fds)
         m = memoryview(buf).cast("B")
         if offset < 0 or offset > len(m):
@@ -129,7 +144,7 @@ class Connection(mp_connection.Connection):
 
     def poll(self, timeout: float | None = 0.0) -> bool:
         self._check(readable=True)
-        return _wait_readable(self._sock, timeout)
+        return bool(self._pending) or _wait_readable(self._sock, timeout)
 
     def __reduce__(self):
         self._check()

@@ -73,6 +73,17 @@ the ready ones (pickled, waiting for room) and the one the task handler holds
 are discarded, and each slot's queue is drained once the workers are gone
 (``_drain`` unpickles each task).
 
+Note [start failures]: a worker sends ``_STARTED`` once its initializer has
+returned, or ``_START_FAILED`` with the initializer's exception before it exits.
+A worker that exits with an error (a non-zero code, or a signal other than
+SIGKILL / SIGTERM, which come from outside) before ``_STARTED`` is a start
+failure: its initializer raised, or it could not unpickle its arguments. The
+result handler sees a dead worker's messages before it settles its death, so it
+knows; after ``processes`` start failures in a row (no worker started between
+them) the pool is broken: every unfinished and every later task fails with
+``WorkerStartError`` (the initializer's exception as its cause) and the worker
+handler starts no more workers (the stdlib's Pool respawns them forever).
+
 Note [resource tracker]: ``Process.start`` under spawn (and forkserver) calls
 ``multiprocessing.resource_tracker.getfd()``, which writes a probe to the
 tracker's pipe (``os.write``; a killed tracker gives EPIPE and is relaunched).
@@ -94,6 +105,7 @@ import logging
 import os
 import pickle
 import queue
+import reprlib
 import select
 import signal
 import socket
@@ -107,7 +119,7 @@ import shm_core
 import shm_manager
 
 from . import _recycle
-from ._channel import INLINE, Packet, loads, recv_raw
+from ._channel import INLINE, Packet, check_openable, loads, recv_raw
 from ._queues import SimpleQueue
 from ._reductions import MAX_FDS, init_reductions
 
@@ -116,6 +128,7 @@ GC_INTERVAL = 0.1  # seconds between full collections in a busy worker (one cost
 _IDLE_WAIT = 0.05  # a worker that finds no task within this collects before blocking
 _BACKOFF = (0.01, 1.0)  # first and longest wait before a handler retries what failed
 _WAKE = "wake"  # the head of the worker handler's nudge to the result handler: deaths were recorded
+_STARTED, _START_FAILED = "started", "start failed"  # heads of a worker's start report (Note [start failures])
 
 log = logging.getLogger("mp_reductions.pool")
 
@@ -146,6 +159,24 @@ class WorkerLostError(Exception):
 
     def __reduce__(self):
         return type(self), (self.pid, self.exitcode, self.index, self.kind)
+
+
+class WorkerStartError(Exception):
+    """Raised when a pool's workers keep dying before they can run a task (its initializer raises, or they cannot
+    unpickle their ``initargs``): the pool starts no more workers, and every unfinished task fails."""
+
+    def __init__(self, failures: int, pid: int, exitcode: int | None):
+        self.failures, self.pid, self.exitcode = failures, pid, exitcode
+        super().__init__(failures, pid, exitcode)
+
+    def __str__(self) -> str:
+        return (f"{self.failures} pool workers in a row died before they could run a task (the last, {self.pid}, "
+                f"exited with code {self.exitcode}): the initializer raised, or a worker could not unpickle its "
+                "initargs (the cause, or the workers' tracebacks on stderr, say which); the pool starts no more "
+                "workers: fix the initializer or its arguments and make a new pool")
+
+    def __reduce__(self):
+        return type(self), (self.failures, self.pid, self.exitcode)
 
 
 def _kind(result) -> str:
@@ -216,7 +247,15 @@ def worker(inqueue, outqueue, initializer=None, initargs=(), maxtasks=None, wrap
     if parent_process() is not None:
         waiter.register(parent_process().sentinel, select.POLLIN)
     if initializer is not None:
-        initializer(*initargs)
+        try:
+            initializer(*initargs)
+        except BaseException as e:  # Note [start failures]
+            try:
+                _send(out, _START_FAILED, (os.getpid(), mp_pool.ExceptionWithTraceback(e, e.__traceback__)))
+            except Exception:  # unpicklable: the traceback on stderr says it
+                pass
+            raise
+    _send(out, _STARTED, os.getpid())
 
     completed, dirty, last_gc = 0, False, time.monotonic()
     while maxtasks is None or completed < maxtasks:
@@ -241,7 +280,7 @@ def worker(inqueue, outqueue, initializer=None, initargs=(), maxtasks=None, wrap
         try:
             _send(out, head, result)
         except Exception as e:
-            wrapped = mp_pool.MaybeEncodingError(e, result[1])
+            wrapped = _encoding_error(e, result[1])
             util.debug(f"Possible encoding error while sending result: {wrapped}")
             _send(out, head, (False, wrapped))
 
@@ -255,6 +294,19 @@ def worker(inqueue, outqueue, initializer=None, initargs=(), maxtasks=None, wrap
             dirty = True
     gc.collect()
     util.debug(f"worker exiting after {completed} tasks")
+
+
+def _encoding_error(exc: Exception, value) -> mp_pool.MaybeEncodingError:
+    """The stdlib's MaybeEncodingError, its value's repr cut short: its reason comes last in its message, and must
+    not be buried after a screenful of arrays."""
+    error = mp_pool.MaybeEncodingError(exc, None)
+    error.value = _SHORT.repr(value)
+    error.args = (error.exc, error.value)
+    return error
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxother = _SHORT.maxstring = 200
 
 
 def _queued_bytes(q) -> int:
@@ -282,6 +334,7 @@ class _Slots:
         self.ready_max = DEPTH * processes
         self.failed: list[tuple] = []  # (job, i, error): a task that could not be sent
         self.closed = self.stopped = False
+        self.broken: WorkerStartError | None = None  # set once workers keep failing to start (Note [start failures])
 
     def put(self, task) -> None:
         """Pickle ``task`` and add it to the ready ones (sent at once if a slot has room, else by the result
@@ -294,6 +347,10 @@ class _Slots:
                         _send(q._writer._sock, None, None)
             return
         job, i = task[:2]
+        if self.broken is not None:
+            self.failed.append((job, i, self.broken))
+            self.settle_failed()
+            return
         packet = Packet(task, head=pickle.dumps((job, i)))  # may raise: the stdlib makes it the task's error
         with self.cond:
             while not self.closed and len(self.ready) >= self.ready_max:
@@ -389,6 +446,21 @@ class _Slots:
             while taken and queued + taken[-1][1] <= left:  # the queued ones are the last sent
                 queued += taken.pop()[1]
             self.deaths.append((k, w.pid, w.exitcode, [task for task, _ in taken]))
+
+    def break_(self, error: WorkerStartError) -> None:
+        """Workers keep failing to start: fail every unfinished task and every later one with ``error``."""
+        with self.cond:
+            self.broken = error
+            while self.ready:
+                (job, i), packet = self.ready.popleft()
+                packet.discard()
+                self.failed.append((job, i, error))
+            for (job, i) in list(self.owner):
+                del self.owner[job, i]
+                self.failed.append((job, i, error))
+            self.sent = [collections.deque() for _ in self.sent]
+            self.cond.notify_all()
+        self.settle_failed()
 
     def take_deaths(self) -> list[tuple]:
         """The deaths recorded (none without the lock: the worker handler nudges the result handler after it
@@ -511,7 +583,9 @@ class Pool(mp_pool.Pool):
     @staticmethod
     def _repopulate_pool_static(ctx, Process, processes, pool, inqueue, outqueue, initializer, initargs,
                                 maxtasksperchild, wrap_exception):
-        """Start a worker for each slot that has none."""
+        """Start a worker for each slot that has none (none once the pool is broken, Note [start failures])."""
+        if inqueue.broken is not None:
+            return
         group = shm_manager.group()
         for k, w in enumerate(inqueue.workers):
             if w is not None:
@@ -568,13 +642,22 @@ class Pool(mp_pool.Pool):
         thread = threading.current_thread()
         reader = outqueue._reader
         stopping, delay, deaths = False, None, []
+        started, start_errors, start_failures = set(), {}, 0  # Note [start failures]
 
         def settle(head, body, fds) -> None:
+            nonlocal stopping, start_failures
             if head is None:
-                nonlocal stopping
                 stopping = True
                 return
             if head == _WAKE:
+                return
+            if head == _STARTED:
+                started.add(loads(body, fds))
+                start_failures = 0
+                return
+            if head == _START_FAILED:
+                pid, error = loads(body, fds)
+                start_errors[pid] = error
                 return
             job, i = head
             known = slots.finished(job, i)
@@ -588,6 +671,7 @@ class Pool(mp_pool.Pool):
             if result is not None:
                 result._set(i, obj)
 
+        pending = collections.deque()  # a result taken but not opened yet (_channel Note [opening named segments])
         while thread._state != mp_pool.TERMINATE and not (stopping and not cache):
             if delay is None:
                 reader.poll(None)  # results, the stop sentinel, and the worker handler's nudges wake it
@@ -597,9 +681,14 @@ class Pool(mp_pool.Pool):
             try:
                 while True:
                     try:
-                        msg = _split(*recv_raw(reader._sock, socket.MSG_DONTWAIT))
+                        msg = pending.popleft() if pending else _split(*recv_raw(reader._sock, socket.MSG_DONTWAIT))
                     except BlockingIOError:
                         break
+                    try:
+                        check_openable(*msg[1:], reader.fileno())
+                    except OSError:
+                        pending.append(msg)
+                        raise
                     delay = None
                     try:
                         settle(*msg)
@@ -614,6 +703,15 @@ class Pool(mp_pool.Pool):
                 delay = _backoff(delay)
                 continue  # the deaths wait until every message before them is read
             for k, pid, exitcode, took in deaths:
+                if pid in started:
+                    started.discard(pid)
+                elif exitcode and exitcode not in (-signal.SIGKILL, -signal.SIGTERM):
+                    start_failures += 1
+                    if start_failures >= len(slots.queues) and slots.broken is None:
+                        error = WorkerStartError(start_failures, pid, exitcode)
+                        error.__cause__ = start_errors.get(pid)
+                        slots.break_(error)
+                start_errors.pop(pid, None)
                 for job, i in took:
                     result = cache.get(job) if slots.finished(job, i, k) else None
                     if result is not None:

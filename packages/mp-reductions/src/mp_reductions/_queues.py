@@ -44,7 +44,7 @@ from multiprocessing import reduction, util
 
 import shm_core
 
-from ._channel import SPIN, Packet, dequeue, loads, socket_from_fd, socketpair, unpack
+from ._channel import SPIN, Packet, dequeue, loads_kept, socket_from_fd, socketpair, unpack
 from ._reductions import init_reductions
 
 _COUNT = shm_core.HEADER_SIZE  # items put and not yet got
@@ -180,6 +180,10 @@ class Queue(mp_queues.Queue):
         util.register_after_fork(self, Queue._reset)
 
     def _reset(self):
+        for _, fds in getattr(self, "_pending", ()):  # a fork child: the parent's to return
+            for fd in fds or ():
+                os.close(fd)
+        self._pending = collections.deque()  # taken but not opened yet (_channel Note [opening named segments])
         self._closed = False
         self._joincancelled = False
         self._notempty = threading.Condition(threading.Lock())
@@ -297,6 +301,8 @@ class Queue(mp_queues.Queue):
         while True:
             if self._closed:  # also by another thread while this one waited (Note [closing])
                 raise ValueError(f"Queue {self!r} is closed")
+            if self._pending:
+                return loads_kept(self._pending.popleft(), self._pending, self._reader)
             st.fetch_add(_COUNT, -1)  # the slot back before the receive (Note [slots])
             try:
                 msg = dequeue(self._reader, socket.MSG_DONTWAIT)
@@ -314,7 +320,7 @@ class Queue(mp_queues.Queue):
                     raise queue.Empty from None
                 _wait_readable(self._reader, remaining)
         self._wake_putter()
-        return loads(*unpack(*msg))
+        return loads_kept(unpack(*msg), self._pending, self._reader)
 
     def get_nowait(self):
         return self.get(False)
@@ -324,7 +330,7 @@ class Queue(mp_queues.Queue):
         return max(0, self._state.load(_COUNT))  # Note [slots]
 
     def empty(self) -> bool:
-        return not _wait_readable(self._reader, 0)
+        return not self._pending and not _wait_readable(self._reader, 0)
 
     def full(self) -> bool:
         return self.qsize() >= self._maxsize

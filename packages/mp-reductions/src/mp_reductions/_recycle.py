@@ -168,6 +168,19 @@ def _over(pool: list) -> bool:
             or sum(entry[0].length for entry in pool) > KEEP_BYTES)
 
 
+def copies_lost(segments) -> None:
+    """The message that carried these pooled copies went to a process that died holding them (a Dask worker
+    killed mid-task): they leave the pool now instead of counting as busy for ``BUSY_IDLES * IDLE`` seconds (Note
+    [recycling]); each goes when its last view here goes."""
+    lost = {id(seg) for seg in segments}
+    st = _state
+    with st.lock:
+        for entry in st.pool:
+            if id(entry[0]) in lost:
+                _shared.release_fd(entry[0])
+        st.pool = [entry for entry in st.pool if id(entry[0]) not in lost]
+
+
 def received(seg: shm_core.Segment) -> None:
     """A receiver keeps the mapping of a segment for its next arrival (recycled or shared)."""
     st = _state

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from multiprocessing import context as mp_context
 from multiprocessing import reduction, resource_sharer  # noqa: F401
 
@@ -44,9 +45,10 @@ MAX_FDS = 250  # the kernel passes at most 253 descriptors in one message (SCM_M
 class Outgoing:
     """What a message being pickled needs besides its bytes: descriptors and copies."""
 
-    def __init__(self, share_all: bool = False, pooled: bool = True):
+    def __init__(self, share_all: bool = False, pooled: bool = True, copy_inline: bool = False):
         self.share_all = share_all  # no array inline: the message would not fit the socket otherwise
         self.pooled = pooled  # file_system: the copy may go into a pooled segment chosen at the first copy
+        self.copy_inline = copy_inline  # unshared arrays inline whatever their size: shared memory is full
         self.inlined = 0  # arrays that went inline
         self.handles = False  # the message names shared memory (the receiver needs an Incoming)
         self.fds: list[int] = []  # dups, owned here (Note [descriptors] in _shared): closed once sent
@@ -235,13 +237,20 @@ def reduce_ndarray(arr: np.ndarray):
     found = _shared.segment_of(arr)
     ctx = _current()
     readonly = _readonly(arr)
+    outgoing = isinstance(ctx, Outgoing)
+    popen = None if outgoing else mp_context.get_spawning_popen()
+    if arr.nbytes == 0 or (found is None and (outgoing and ctx.copy_inline or arr.nbytes < get_inline_threshold()
+                                              and not (ctx and ctx.share_all))) \
+            or (not outgoing and popen is None and get_sharing_strategy() == "file_descriptor"):
+        # small, or shared memory is full (_channel._pickle), or on a channel we do not own whose sender may be
+        # gone before the receiver asks for the descriptor (Note [channels we do not own]): a copy in the
+        # pickle, as the stdlib sends it
+        if outgoing:
+            ctx.inlined += 1
+        order = "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C"
+        return rebuild_inline, (arr.tobytes(order), _dtype(arr.dtype), arr.shape, order, readonly)
     if found is None:
-        if arr.nbytes == 0 or (arr.nbytes < get_inline_threshold() and not (ctx and ctx.share_all)):
-            if isinstance(ctx, Outgoing):
-                ctx.inlined += 1
-            order = "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C"
-            return rebuild_inline, (arr.tobytes(order), _dtype(arr.dtype), arr.shape, order, readonly)
-        if isinstance(ctx, Outgoing):
+        if outgoing:
             ref, offset = ctx.copy_ref(arr)
             # size None: the message's segment grows while the message is pickled
             return rebuild_ndarray, (ref, None, offset, arr.shape, None, _dtype(arr.dtype), readonly)
@@ -250,16 +259,15 @@ def reduce_ndarray(arr: np.ndarray):
     seg, offset = found
     strides = None if arr.flags.c_contiguous else arr.strides
     if seg.name:
-        ref = ctx.named_ref(seg) if isinstance(ctx, Outgoing) else _counted(seg, _named_ref_alone(seg))
+        ref = ctx.named_ref(seg) if outgoing else _counted(seg, _named_ref_alone(seg))
     else:
         # never a silent copy: fd_for_sending raises when the descriptor cannot be re-opened
-        ref = ctx.fd_ref(seg) if isinstance(ctx, Outgoing) else \
-            _counted(seg, ("d", _dupfd(_shared.fd_for_sending(seg))))
+        ref = ctx.fd_ref(seg) if outgoing else _counted(seg, ("d", _launch_fd(popen, seg)))
     args = (ref, seg.size, offset, arr.shape, strides, _dtype(arr.dtype), readonly)
     block = _shared.block_of(arr, seg)
     if block is None:
         return rebuild_ndarray, args
-    if isinstance(ctx, Outgoing):
+    if outgoing:
         ctx.block_ref(seg, block)
     else:
         seg.fetch_add(shm_core.HEADER_SIZE + block, 1)  # in flight, as _counted
@@ -275,15 +283,36 @@ def rebuild_inline(data: bytes, dtype, shape, order: str, readonly: bool) -> np.
     return np.frombuffer(data if readonly else bytearray(data), dtype).reshape(shape, order=order)
 
 
-def _dupfd(fd: int):
-    """One DupFd per descriptor per spawning: the spawn launcher rejects a descriptor passed twice."""
-    popen = mp_context.get_spawning_popen()
-    if popen is None:
-        return reduction.DupFd(fd)
-    table = popen.__dict__.setdefault("_arraymp_dupfds", {})
-    if fd not in table:
-        table[fd] = reduction.DupFd(fd)
-    return table[fd]
+# Note [channels we do not own]: outside our channels (no Outgoing context) a memfd
+# segment's descriptor can travel only by ``multiprocessing.reduction.DupFd``. While a
+# process is being launched (Process arguments under spawn and forkserver: ``mp.spawn``,
+# Pool and executor ``initargs``) the launcher passes it with the child's other
+# descriptors, so the child gets it whatever the parent does next; we hand the launcher a
+# dup, open until the Popen object goes, since the argument's segment (a copy made just
+# for the pickle) may be gone before the launch. Anywhere else (the stdlib's Queue and
+# Pipe, Manager proxies) DupFd's resource sharer serves the descriptor from a thread of
+# the sender, which may have exited by the time the receiver asks: so there, under the
+# file_descriptor strategy, every array travels as a copy in the pickle, exactly as the
+# stdlib sends it (shared ones too: losing an array is worse than losing the sharing).
+# Named segments (file_system) travel by name on every channel: their in-flight count
+# keeps them for the receiver whoever exits first.
+def _launch_fd(popen, seg: shm_core.Segment):
+    """A DupFd of ``seg`` for the child ``popen`` launches: one per segment (the spawn launcher rejects a
+    descriptor passed twice), a dup kept open until ``popen`` goes (Note [channels we do not own])."""
+    table = popen.__dict__.get("_arraymp_dupfds")
+    if table is None:
+        table = popen._arraymp_dupfds = {}
+        weakref.finalize(popen, _close_dups, table)
+    entry = table.get(seg.key)
+    if entry is None:
+        fd = _shared.fd_for_sending(seg, dup=True)
+        entry = table[seg.key] = (fd, reduction.DupFd(fd))
+    return entry[1]
+
+
+def _close_dups(table: dict) -> None:
+    for fd, _ in table.values():
+        os.close(fd)
 
 
 def _named_ref_alone(seg):
@@ -417,6 +446,7 @@ def init_reductions() -> None:
     Called by ``import arraymp``, and when a process receives one of our
     channels, so a spawned child sends arrays by shared memory too.
     """
+    _shared.raise_nofile()  # at first use (_shared Note [descriptors])
     if reduction.ForkingPickler._extra_reducers.get(np.ndarray) is reduce_ndarray:
         return
     reduction.ForkingPickler.register(np.ndarray, reduce_ndarray)

@@ -9,7 +9,12 @@ references: a segment goes when its last array goes.
 Note [descriptors]: a mapping needs no descriptor, but sending a memfd
 segment does. Every memfd segment of this process, made here or received,
 keeps its descriptor in one LRU (``_Table.fd_lru``) of at most ``fd_budget()``
-entries (a quarter of RLIMIT_NOFILE, 16 to 4096); older ones close theirs, so
+entries (a quarter of RLIMIT_NOFILE, 16 to BUDGET_MAX). At its first use a
+process raises its soft RLIMIT_NOFILE to the hard limit, as Go's runtime does
+at start-up: the soft limit of a normal user is commonly 1024 (a budget of 256)
+under a hard one of 65,536 to 1,048,576, and the budget is what lets a process
+forward the arrays it holds without re-opening them (which a normal user may
+not: see below). Children inherit the raised limit. Older ones close theirs, so
 a process that makes or receives 20,000 arrays does not run out of
 descriptors. Sending one whose descriptor was closed re-opens the very same
 file from /proc/self/map_files (checked by inode), or raises with the remedy:
@@ -78,16 +83,43 @@ ARENA_ITEM_MAX = 64 << 10
 ARENA_MARK = 0x414E4552_41504D41  # "AMPAREN A" in the header's user word: this segment is an arena
 BLOCK_HEAD = ALIGN  # a block's count word and size word (Note [arenas])
 MAX_ARENAS = 4
+BUDGET_MAX = 1 << 18  # memfd descriptors kept open at most (Note [descriptors])
 _REUSE_TRIES = 8
 _HDR = shm_core.HEADER_SIZE
+_VIEWS = shm_core.VIEWS_OFFSET  # the views word (_recycle.REFS)
 
 
 def fd_budget() -> int:
     """How many memfd descriptors this process keeps open (Note [descriptors])."""
+    raise_nofile()
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         soft = 1 << 20
-    return max(16, min(4096, soft // 4))
+    return max(16, min(BUDGET_MAX, soft // 4))
+
+
+_nofile_raised = None  # the pid that raised its soft RLIMIT_NOFILE
+
+
+def raise_nofile() -> None:
+    """Raise the soft RLIMIT_NOFILE to the hard one (at most the kernel's fs.nr_open), once per process: what Go's
+    runtime does at start-up (Note [descriptors]); a limit lowered after that is kept."""
+    global _nofile_raised
+    if _nofile_raised == os.getpid():
+        return
+    _nofile_raised = os.getpid()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        with open("/proc/sys/fs/nr_open") as f:
+            ceiling = int(f.read())
+    except (OSError, ValueError):
+        ceiling = 1 << 20
+    want = ceiling if hard == resource.RLIM_INFINITY else min(hard, ceiling)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (OSError, ValueError):  # a sandbox may refuse it: the budget follows the soft limit as it is
+            pass
 
 
 class _Table:
@@ -99,6 +131,7 @@ class _Table:
         self.fd_lru: collections.OrderedDict = collections.OrderedDict()  # key -> weakref(Segment)
 
     def add(self, key, seg: shm_core.Segment) -> None:
+        _ensure_exit_hook()
         seg.key = key
         self.segments[key] = seg
 
@@ -120,27 +153,93 @@ _table = _Table()
 _blocks: dict = {}
 
 
-def _after_fork_in_child():
-    global _arenas
-    # Same segments, fresh lock; the parent's arenas must not be carved twice;
-    # the child now holds the named segments and arena blocks it inherited, so
-    # it counts them (named ones through its own daemon connection, given back
-    # if it is killed).
-    _table.lock = threading.Lock()
-    _arenas = _Arenas()
+# Note [fork]: a fork child inherits every mapping, view and array of its parent, and
+# each of them is counted in a shared word: a segment's views word (one per process
+# with live buffer exports, _recycle Note [recycling]), an arena block's count (Note
+# [arenas]) and a named segment's refcount (Note [named segments]). The child will
+# give each back when it drops what it inherited (``del``, a garbage collection), so
+# it must have counted them first, or it would uncount its parent's view and the
+# producer would recycle memory the parent still reads. The child's counts are taken
+# by the parent *before* the fork, while the parent's own views keep every word above
+# zero (counting in the child after the fork would leave a window in which the parent
+# drops its view and the word reads zero)::
+#
+#     parent, before fork:  +1 in each word it would hand down   (the child's counts)
+#     child, after fork:    keep them; reconcile with what it holds now (other threads
+#                           may run between the snapshot and the fork)
+#
+# A process gives back what it still holds when it exits (``_release_all``, also in a
+# fork child, which exits without a garbage collection): its views word through
+# ``Segment.disown()``, its block counts, its named counts. One killed with SIGKILL
+# keeps a views word or block count up: that memory is never reused (named counts go
+# back through the daemon). So does a failed fork (the hooks cannot tell), and a
+# subprocess with ``preexec_fn`` (it runs the hooks, then exec drops the views).
+_fork_counted: tuple = ((), (), ())
+
+
+def _held() -> tuple[set, set, set]:
+    """What a fork child would inherit: segments with live views, named segments this process counts, and
+    arena blocks it views (as (segment, block))."""
+    views, named, blocks = set(), set(), set()
     for key, seg in list(_table.segments.items()):
+        if seg.exports > 0:
+            views.add(seg)
         if key[0] == "n" and seg.release_hook is not None:
-            seg.incref()
-            shm_manager.hold(seg.name, seg.dir)
+            named.add(seg)
     for (_, block), ref in list(_blocks.items()):
         base = ref()
         if base is not None:
-            segment_of(base)[0].fetch_add(_HDR + block, 1)
+            blocks.add((segment_of(base)[0], block))
+    return views, named, blocks
 
 
-def _release_all_named() -> None:
-    """At process exit: give back this process's counts (a child exits without running __del__)."""
+def _count(held: tuple, n: int) -> None:
+    views, named, blocks = held
+    for seg in views:
+        seg.fetch_add(_VIEWS, n)
+    for seg in named:
+        if seg.fetch_add(shm_core.REFCOUNT_OFFSET, n) + n == 0:
+            _unlink_named(seg)  # its last other holder let go while the child was being made
+    for seg, block in blocks:
+        seg.fetch_add(_HDR + block, n)
+
+
+def _before_fork() -> None:
+    global _fork_counted
+    _fork_counted = _held()
+    _count(_fork_counted, 1)
+
+
+def _after_fork_in_parent() -> None:
+    global _fork_counted
+    _fork_counted = ((), (), ())  # the counts are the child's
+
+
+def _after_fork_in_child():
+    global _arenas, _fork_counted
+    # Same segments, fresh lock; the parent's arenas must not be carved twice;
+    # the counts taken before the fork are this child's (Note [fork]).
+    _table.lock = threading.Lock()
+    _arenas = _Arenas()
+    counted, _fork_counted = _fork_counted, ((), (), ())
+    now = _held()
+    _count(tuple(c - h for c, h in zip(counted, now)), -1)  # dropped by another thread before the fork
+    _count(tuple(h - c for c, h in zip(counted, now)), 1)  # made by another thread before the fork
+    for seg in now[1]:
+        shm_manager.hold(seg.name, seg.dir)  # the daemon gives the child's count back if it is killed
+
+
+def _release_all() -> None:
+    """At process exit: give back this process's counts (a fork child exits without a garbage collection,
+    Note [fork])."""
+    global _blocks
+    blocks, _blocks = _blocks, {}  # _block_gone gives back only what is still in _blocks
+    for (_, block), ref in blocks.items():
+        base = ref()
+        if base is not None:
+            segment_of(base)[0].fetch_add(_HDR + block, -1)
     for key, seg in list(_table.segments.items()):
+        seg.disown()
         if key[0] == "n":
             hook, seg.release_hook = seg.release_hook, None
             if hook is not None:
@@ -155,24 +254,29 @@ def _ensure_exit_hook(again: bool = False) -> None:
     # again: multiprocessing clears the finalizers of a new child before running it
     if again or _exit_hook_pid != os.getpid():
         _exit_hook_pid = os.getpid()
-        util.Finalize(None, _release_all_named, exitpriority=0)
+        # after every queue's feeder has flushed (their joins run at -5): a stdlib Queue pickles, and so counts, a
+        # named array in flight only then
+        util.Finalize(None, _release_all, exitpriority=-10)
 
 
 # ---------------------------------------------------------------- named segments
 def _release_named(seg: shm_core.Segment) -> None:
     if shm_manager.release(seg.name, seg.dir):
         return  # the daemon takes the count back, and unlinks at zero
+    if seg.decref() == 0:
+        _unlink_named(seg)
+
+
+def _unlink_named(seg: shm_core.Segment) -> None:
     try:
-        if seg.decref() == 0:
-            seg.unlink()
-            shm_manager.unregister(seg.name)
+        seg.unlink()
+        shm_manager.unregister(seg.name)
     except FileNotFoundError:
         pass
 
 
 def _adopt_named(seg: shm_core.Segment) -> shm_core.Segment:
     """This process holds one count of ``seg``; the daemon gives it back if we die."""
-    _ensure_exit_hook()
     shm_manager.hold(seg.name, seg.dir)
     seg.release_hook = _release_named
     _table.add(("n", seg.name), seg)
@@ -310,7 +414,7 @@ class _Arenas:
 
 
 _arenas = _Arenas()
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 util.register_after_fork(_table, lambda table: _ensure_exit_hook(again=True))
 
 
@@ -319,8 +423,9 @@ def _aligned(n: int) -> int:
 
 
 def _block_gone(seg: shm_core.Segment, block: int, size: int, key, ref) -> None:
-    if _blocks.get(key) is ref:
-        del _blocks[key]
+    if _blocks.get(key) is not ref:
+        return  # given back at exit (_release_all)
+    del _blocks[key]
     seg.fetch_add(_HDR + block, -1)
     _arenas.dropped.append((seg.id, block, size))  # taken up by the allocator, under its lock
 
@@ -523,8 +628,11 @@ def attach_named(name: str, dir: str, size: int | None) -> shm_core.Segment:
             seg = shm_core.attach(name, dir, expected_size=size)
         except FileNotFoundError:
             raise FileNotFoundError(
-                f"shared-memory segment {os.path.join(dir, name)} no longer exists: its holders are gone "
-                f"or it was removed by hand (shm-manager gc); keep the sender's array alive until received"
+                f"shared-memory segment {os.path.join(dir, name)} no longer exists: every count of it was given "
+                "back before this message was received. Either its holders let go of it (keep the sender's array "
+                "alive until received), or a message naming it was received twice (the same pickled bytes "
+                "delivered again, or a forged handle: each takes a count it never owned), or it was removed by "
+                "hand (shm-manager gc)"
             ) from None
         return _adopt_named(seg)
 

@@ -11,7 +11,7 @@ import sys
 if not sys.platform.startswith("linux"):  # pragma: no cover
     raise ImportError(f"shm-core supports Linux only (memfd, tmpfs, futex); this is {sys.platform}")
 
-from ._fds import recv_fds, send_fds
+from ._fds import check_headroom, recv_fds, send_fds
 from ._native import Mapping, address
 from ._segment import (
     DEFAULT_PREFIX,
@@ -47,6 +47,7 @@ __all__ = [
     "address",
     "attach",
     "attach_fd",
+    "check_headroom",
     "create",
     "create_anonymous",
     "parse_name",

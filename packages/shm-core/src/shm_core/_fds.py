@@ -108,13 +108,28 @@ def recv_fds(sock: socket.socket, bufsize: int, maxfds: int, flags: int = 0) -> 
         return data, fds, msg_flags
 
 
-def _out_of_descriptors(what: str) -> OSError:
+def check_headroom(fd: int, n: int, what: str) -> None:
+    """Raise OSError(EMFILE), as recv_fds does (``what`` says what became of the message), unless ``n`` more
+    descriptors can be opened now (tried with dups of ``fd``, closed at once)."""
+    fds = []
+    try:
+        for _ in range(n):
+            fds.append(os.dup(fd))
+    except OSError as exc:
+        if exc.errno not in (errno.EMFILE, errno.ENFILE):
+            raise
+        raise _out_of_descriptors(what, "open a message's shared memory") from None
+    finally:
+        _close(fds)
+
+
+def _out_of_descriptors(what: str, doing: str = "receive a message's descriptors") -> OSError:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
         n = len(os.listdir("/proc/self/fd")) - 1  # less the one listing them
     except OSError:  # not one number free
         n = soft
-    return OSError(errno.EMFILE, f"too many open files to receive a message's descriptors: {n} are open and this "
+    return OSError(errno.EMFILE, f"too many open files to {doing}: {n} are open and this "
                                  f"process may open {soft} (RLIMIT_NOFILE); {what}. Raise the limit (ulimit -n, or "
                                  f"resource.setrlimit(resource.RLIMIT_NOFILE, ...) up to the hard limit {hard}), or "
                                  f"hold fewer descriptors: drop received arrays, send fewer segments per message")

@@ -34,6 +34,9 @@
 #ifndef MFD_CLOEXEC
 #define MFD_CLOEXEC 0x0001U
 #endif
+#ifndef MFD_ALLOW_SEALING
+#define MFD_ALLOW_SEALING 0x0002U
+#endif
 
 /* ------------------------------------------------------------------ calls */
 
@@ -47,7 +50,7 @@ native_memfd_create(PyObject *mod, PyObject *args)
     do {
         Py_BEGIN_ALLOW_THREADS
 #ifdef SYS_memfd_create
-        fd = (int)syscall(SYS_memfd_create, name, MFD_CLOEXEC);
+        fd = (int)syscall(SYS_memfd_create, name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
 #else
         fd = -1;
         errno = ENOSYS;
@@ -228,6 +231,20 @@ mapping_close(Mapping *self, PyObject *unused)
     }
     mapping_unmap(self);
     Py_RETURN_NONE;
+}
+
+/* Stop counting this process in the views word: give back its count now if it
+   has live exports, and never count again (a process about to exit whose views
+   outlive its last Python code, see mp_reductions Note [fork]). */
+static PyObject *
+mapping_disown(Mapping *self, PyObject *unused)
+{
+    int had = self->views_offset >= 0 && self->addr != NULL && self->exports > 0;
+    if (had)
+        __atomic_fetch_sub((int64_t *)(self->addr + self->views_offset), 1,
+                           __ATOMIC_SEQ_CST);
+    self->views_offset = -1;
+    return PyBool_FromLong(had);
 }
 
 /* Parse (offset) and check it names an aligned 8-byte word in the mapping. */
@@ -430,6 +447,8 @@ mapping_get_readonly(Mapping *self, void *c)
 static PyMethodDef mapping_methods[] = {
     {"close", (PyCFunction)mapping_close, METH_NOARGS,
      "Unmap now; BufferError while exports (views) exist."},
+    {"disown", (PyCFunction)mapping_disown, METH_NOARGS,
+     "Give back this process's views count (if it has exports); count no more."},
     {"fetch_add", (PyCFunction)mapping_fetch_add, METH_VARARGS,
      "fetch_add(offset, delta) -> previous value of the 64-bit word."},
     {"load", (PyCFunction)mapping_load, METH_VARARGS, "load(offset) -> value."},
@@ -491,7 +510,7 @@ static PyMethodDef native_methods[] = {
     {"address", native_address, METH_O,
      "address(buffer) -> address of its first byte (any strides, any dtype)."},
     {"memfd_create", native_memfd_create, METH_VARARGS,
-     "memfd_create(name) -> fd (close-on-exec)."},
+     "memfd_create(name) -> fd (close-on-exec, sealing allowed)."},
     {"fallocate", native_fallocate, METH_VARARGS,
      "fallocate(fd, length, path): reserve the pages (posix_fallocate)."},
     {NULL}

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import re
 import reprlib
@@ -43,6 +44,8 @@ VIEWS_OFFSET = 48
 USER_OFFSET = 56
 DEFAULT_PREFIX = "arraymp_"
 _HEAD = struct.Struct("<8sIIQqQ")  # magic, version, flags, size, pid, id
+#: the seals of every memfd segment (Note [untrusted handles]); 0 where memfds do not exist
+_MEMFD_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 #: a segment name, as segment_name() makes it: ``<prefix><uid>_<group>_<pid>_<16 hex>``, the prefix empty or
 #: ending in a non-digit; letters, digits, '_' and '-' only (never '/' or '.'). The one definition: shm_manager
 #: may reuse it.
@@ -69,9 +72,14 @@ NAME_RE = re.compile(r"(?P<prefix>(?:[A-Za-z0-9_-]{0,63}[A-Za-z_-])?)(?P<uid>[0-
 #    allocates every page of every segment (fallocate, or zeros written on a
 #    filesystem without fallocate), so a sparse file is a forgery, one whose
 #    first touch would SIGBUS on a full tmpfs. We never map past the file's end.
+#  - a received descriptor must be sealed against shrinking and growing
+#    (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL, added by create_anonymous as
+#    soon as its pages are reserved): its sender cannot cut it under our
+#    mapping, and nobody can add a seal (F_SEAL_FUTURE_WRITE) that would break
+#    another holder's next mapping.
 #
-# What no check can stop: a process that may write the file (our own uid, or
-# the sender of a memfd) shrinking it after we mapped it.
+# What no check can stop: a process of our own uid shrinking a named file
+# after we mapped it (tmpfs files that have names cannot be sealed).
 _created_dirs: set[str] = set()
 _repr = reprlib.Repr()  # untrusted values in messages, cut at 200 characters
 _repr.maxstring = _repr.maxother = 200
@@ -89,15 +97,18 @@ class SegmentError(ValueError):
 class SharedMemoryFullError(OSError):
     """Raised when tmpfs has no room for a new segment's pages."""
 
-    def __init__(self, where: str, asked: int, free: int | None):
+    def __init__(self, where: str, asked: int, free: int | None, dir: str = "/dev/shm"):
         free_text = "unknown" if free is None else f"{free:,} bytes free"
+        if os.path.normpath(dir) == "/dev/shm":
+            fix = ("Give the container a larger /dev/shm (docker run --shm-size=8g, or mount -o remount,size=8G "
+                   "/dev/shm), free memory, or use the 'file_descriptor' sharing strategy")
+        else:
+            fix = (f"Make {dir} larger (ARRAYMP_SHM_DIR names it; e.g. mount -o remount,size=8G {dir}), point "
+                   "ARRAYMP_SHM_DIR at a larger tmpfs, free memory, or use the 'file_descriptor' sharing strategy")
         super().__init__(
             28,  # ENOSPC
             f"no space in {where} for a {asked:,}-byte shared-memory segment "
-            f"({asked + HEADER_SIZE:,} with its header) "
-            f"({free_text}). Give the container a larger /dev/shm (docker run "
-            f"--shm-size=8g, or mount -o remount,size=8G /dev/shm), free memory, "
-            f"or use the 'file_descriptor' sharing strategy",
+            f"({asked + HEADER_SIZE:,} with its header) ({free_text}). {fix}",
             where,
         )
         self.asked = asked
@@ -123,7 +134,7 @@ def _reserve(fd: int, length: int, where: str, free_path: str) -> None:
             _write_zeros(fd, length)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-            raise SharedMemoryFullError(where, length - HEADER_SIZE, _free_bytes(free_path)) from None
+            raise SharedMemoryFullError(where, length - HEADER_SIZE, _free_bytes(free_path), free_path) from None
         raise
 
 
@@ -188,7 +199,7 @@ _KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a pipe or FIFO", stat.S_IF
           stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFLNK: "a symbolic link"}
 
 
-def _checked_length(fd: int, where: str, expected_size) -> int:
+def _checked_length(fd: int, where: str, expected_size, sealed: bool) -> int:
     """The length of the segment file ``fd``, checked before anything is mapped (Note [untrusted handles])."""
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
@@ -213,6 +224,15 @@ def _checked_length(fd: int, where: str, expected_size) -> int:
         raise SegmentError(f"{where}: only {st.st_blocks * 512:,} of its {length:,} bytes are allocated, but every "
                            "segment's pages are reserved when it is made: a forged or damaged sparse file (touching "
                            "it could kill this process with SIGBUS); make segments with shm_core only")
+    if sealed and _MEMFD_SEALS:
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:  # not a memfd
+            seals = 0
+        if not seals & fcntl.F_SEAL_SHRINK:
+            raise SegmentError(f"{where} is not sealed against shrinking, as every memfd segment is when it is made: "
+                               "its sender could cut it under this process's mapping (SIGBUS); the handle is forged, "
+                               "or comes from another version of shm-core: use the same one in every process")
     return length
 
 
@@ -232,10 +252,10 @@ class Segment(_native.Mapping):
     release_hook = None
 
     def __init__(self, fd: int, *, name: str | None = None, dir: str | None = None,
-                 populate: bool = False, expected_size: int | None = None, fresh: bool = False):
+                 populate: bool = False, expected_size: int | None = None, fresh: bool = False, sealed: bool = False):
         where = os.path.join(dir, name) if name else f"fd {fd}"
         # fresh: the creator reserved the pages and writes the header next, see _new()
-        length = os.fstat(fd).st_size if fresh else _checked_length(fd, where, expected_size)
+        length = os.fstat(fd).st_size if fresh else _checked_length(fd, where, expected_size, sealed)
         # The mapping is writable for the atomics even when arrays over it are
         # read-only: that promise is kept by the arrays.
         super().__init__(fd, length, data_offset=HEADER_SIZE, populate=populate,
@@ -343,18 +363,22 @@ def create_anonymous(size: int, *, populate: bool = False) -> Segment:
     memfd_create where the kernel has it, else a file in /dev/shm unlinked at
     once: either way nothing has a name that could leak.
     """
+    global _MEMFD_SEALS
     try:
         fd = _native.memfd_create("arraymp")
         where, free_path = "memfd (anonymous shared memory)", "/dev/shm"
     except OSError as exc:
         if exc.errno != 38:  # ENOSYS
             raise
+        _MEMFD_SEALS = 0  # a file unlinked at once: it cannot be sealed (kernels before 3.17)
         free_path = shm_dir()
         where = os.path.join(free_path, segment_name("arraymp_anon_"))
         fd = os.open(where, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         os.unlink(where)
     try:
         seg = _new(fd, size, where, free_path, populate)
+        if _MEMFD_SEALS:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _MEMFD_SEALS)  # Note [untrusted handles]: never shrunk under a reader
     except BaseException:
         os.close(fd)
         raise
@@ -415,9 +439,11 @@ def attach(name: str, dir: str | os.PathLike | None = None, *, expected_size: in
             os.close(fd)
 
 
-def attach_fd(fd: int, *, expected_size: int | None = None, populate: bool = False) -> Segment:
-    """Map a segment from a descriptor; the caller keeps (and closes) ``fd``."""
-    return Segment(fd, populate=populate, expected_size=expected_size)
+def attach_fd(fd: int, *, expected_size: int | None = None, populate: bool = False, sealed: bool = True) -> Segment:
+    """Map a segment from a descriptor; the caller keeps (and closes) ``fd``. ``sealed``: it must be a memfd sealed
+    against resizing, as every memfd segment is (Note [untrusted handles]); False for a named file the caller opened
+    by its name."""
+    return Segment(fd, populate=populate, expected_size=expected_size, sealed=sealed)
 
 
 def unlink(name: str, dir: str | os.PathLike | None = None) -> None:

@@ -173,7 +173,7 @@ class Daemon:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != self.uid:
                 return
-            seg = shm_core.attach_fd(fd)
+            seg = shm_core.attach_fd(fd, sealed=False)  # a named file (named files cannot be sealed)
         except (OSError, ValueError):
             return
         finally:

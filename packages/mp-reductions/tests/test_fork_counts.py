@@ -1,0 +1,145 @@
+"""Note [fork] (issue 20): whatever a fork child does with what it inherited (drop it, collect a garbage cycle
+holding it, exit) never changes what its parent sees. Every shared count a fork child inherits (a segment's views
+word, an arena block's count, a named segment's refcount) is taken for it before the fork and given back by it."""
+
+import gc
+import multiprocessing
+import threading
+import time
+
+import mp_reductions as mpr
+import numpy as np
+import pytest
+import shm_core
+from mp_reductions import _recycle, _shared
+
+fork = multiprocessing.get_context("fork")
+HELD = []
+
+
+def _producer(cmd, q):
+    mpr.init_reductions()
+    while (k := cmd.get(timeout=60)) is not None:
+        q.put(np.full(1 << 17, float(k)))  # 1 MiB: a copy into this producer's recycled segment
+
+
+class Cycle:
+    pass
+
+
+def _drop_held():
+    HELD.clear()
+    gc.collect()
+
+
+def _collect():
+    gc.collect()
+
+
+def _raise():
+    raise RuntimeError("the child fails (its traceback on stderr is expected)")
+
+
+def test_a_fork_child_dropping_an_inherited_array_keeps_the_parents_data(strategy):
+    # the issue's repro: the parent holds array 1 of a producer's recycled segment; a fork child drops it and
+    # collects the parent's garbage cycle that holds a view of it; the producer must not reuse that segment
+    cmd, q = fork.Queue(), mpr.Queue()
+    producer = fork.Process(target=_producer, args=(cmd, q))
+    producer.start()
+    try:
+        cmd.put(1)
+        HELD.append(q.get(timeout=60))
+        assert mpr.is_shared(HELD[0])
+        cycle = Cycle()
+        cycle.self, cycle.view = cycle, HELD[0][10:20]
+        del cycle  # garbage: collected in the child, then in the parent
+        c = fork.Process(target=_drop_held)
+        c.start()
+        c.join(60)
+        gc.collect()
+        for k in range(2, 6):
+            cmd.put(k)
+            assert q.get(timeout=60)[0] == k
+            assert HELD[0].min() == HELD[0].max() == 1.0, "the producer reused the parent's segment"
+    finally:
+        HELD.clear()
+        cmd.put(None)
+        producer.join(60)
+        q.close()
+        cmd.close()
+
+
+def _words(seg, block, named, expected=None):
+    """The views word, the block's count and (file_system) the refcount; with ``expected``, once they read so (a
+    named count comes back through shm-manager's daemon) or 10 s have passed."""
+    deadline = time.monotonic() + 10
+    while True:
+        words = [seg.load(_recycle.REFS), block[0].load(shm_core.HEADER_SIZE + block[1])]
+        if named is not None:
+            words.append(named.refcount)
+        if expected is None or words == expected or time.monotonic() > deadline:
+            return words
+        time.sleep(0.01)
+
+
+def _hold_until(ready, go, arrays):
+    ready.set()
+    go.wait(60)
+    assert all((a == 7).all() for a in arrays)  # the parent dropped its views: the memory is still ours
+
+
+def test_every_count_a_fork_child_inherits_is_its_own(strategy):
+    big = mpr.empty_shared(1 << 17)  # a segment of its own
+    small = mpr.empty_shared(16)  # an arena block
+    big[:] = small[:] = 7
+    seg = _shared.segment_of(big)[0]
+    aseg = _shared.segment_of(small)[0]
+    block = (aseg, _shared.block_of(small, aseg))
+    named = seg if strategy == "file_system" else None
+    before = _words(seg, block, named)
+    assert before[:2] == [1, 1]
+    for target in (_drop_held, _collect, _raise, lambda: None):
+        HELD[:] = [big, small]
+        c = fork.Process(target=target)
+        c.start()
+        c.join(60)
+        HELD.clear()
+        assert _words(seg, block, named, before) == before, target
+    # a child keeps what it inherited after the parent let go: the counts say it still holds them
+    ready, go = fork.Event(), fork.Event()
+    c = fork.Process(target=_hold_until, args=(ready, go, [big, small]))
+    c.start()
+    assert ready.wait(60)
+    assert _words(seg, block, named) == [n + 1 for n in before]
+    go.set()
+    c.join(60)
+    assert c.exitcode == 0
+    assert _words(seg, block, named, before) == before
+
+
+def test_forks_while_another_thread_makes_and_drops_views(strategy):
+    # the counts are taken before the fork and reconciled in the child with what it holds after it: another thread
+    # running in between (the interpreter may switch threads inside os.fork's hooks) must not skew them
+    big = mpr.empty_shared(1 << 17)
+    seg = _shared.segment_of(big)[0]
+    del big  # only the thread's views remain, coming and going
+    stop = threading.Event()
+
+    def churn():
+        while not stop.is_set():
+            view = seg.ndarray((16,), np.float64)
+            view[0] = 1
+            del view
+
+    t = threading.Thread(target=churn)
+    t.start()
+    try:
+        for _ in range(30):
+            c = fork.Process(target=_collect)
+            c.start()
+            c.join(60)
+            assert c.exitcode == 0
+    finally:
+        stop.set()
+        t.join(60)
+    assert seg.load(_recycle.REFS) == 0  # no view left here, none counted for a child that is gone
