@@ -30,7 +30,7 @@ class ProcessPoolExecutor(futures.Executor):
         self._tasks = Tasks(context, initializer, initargs)
         self._max_workers = max_workers or context.cpu_count()
         self._lock = threading.Lock()
-        self._futures: dict = {}  # our Future -> its Dask task
+        self._futures: dict = {}  # our Future -> its job (_tasks.Job)
         self._shutdown = False
 
     def submit(self, fn, /, *args, **kwargs):
@@ -40,7 +40,7 @@ class ProcessPoolExecutor(futures.Executor):
             f = futures.Future()
             self._futures[f] = None
             (self._futures[f],) = self._tasks.submit(apply_star, fn, [(args, kwargs)],
-                                                     functools.partial(self._finished, f))
+                                                     functools.partial(self._finished, f), "submit")
         return f
 
     def _finished(self, f, _i, success, value) -> None:
@@ -63,7 +63,7 @@ class ProcessPoolExecutor(futures.Executor):
         with self._lock:
             self._shutdown = True
             pending = list(self._futures.items()) if cancel_futures else []
-        self._tasks.cancel([task for f, task in pending if task is not None and f.cancel()])
+        self._tasks.cancel([job for f, job in pending if job is not None and f.cancel()])
         if wait:
             self._tasks.wait()
             self._tasks.close()

@@ -45,8 +45,8 @@ class Pool:
         if self._state != RUN:
             raise ValueError("Pool not running")
 
-    def _submit(self, result, star, func, payloads) -> None:
-        self._tasks.submit(star, func, payloads, lambda i, success, value: result._set(i, (success, value)))
+    def _submit(self, result, star, func, payloads, kind: str) -> None:
+        self._tasks.submit(star, func, payloads, lambda i, success, value: result._set(i, (success, value)), kind)
 
     def apply(self, func, args=(), kwds={}):  # noqa: B006 - the stdlib's signature
         return self.apply_async(func, args, kwds).get()
@@ -54,7 +54,7 @@ class Pool:
     def apply_async(self, func, args=(), kwds={}, callback=None, error_callback=None):  # noqa: B006
         self._check_running()
         result = _ApplyResult(self, callback, error_callback)
-        self._submit(result, apply_star, func, [(tuple(args), dict(kwds))])
+        self._submit(result, apply_star, func, [(tuple(args), dict(kwds))], "apply")
         return result
 
     def map(self, func, iterable, chunksize=None):
@@ -78,22 +78,22 @@ class Pool:
         if chunksize < 1 and items:
             raise ValueError(f"Chunksize must be 1+, not {chunksize:n}")
         result = MapResult(self, chunksize if items else 0, len(items), callback, error_callback=error_callback)
-        self._submit(result, star, func, _chunks(items, chunksize) if items else [])
+        self._submit(result, star, func, _chunks(items, chunksize) if items else [], "map")
         return result
 
     def imap(self, func, iterable, chunksize=1):
-        return self._imap(IMapIterator, func, iterable, chunksize)
+        return self._imap(IMapIterator, func, iterable, chunksize, "imap")
 
     def imap_unordered(self, func, iterable, chunksize=1):
-        return self._imap(IMapUnorderedIterator, func, iterable, chunksize)
+        return self._imap(IMapUnorderedIterator, func, iterable, chunksize, "imap_unordered")
 
-    def _imap(self, kind, func, iterable, chunksize):
+    def _imap(self, result_type, func, iterable, chunksize, kind):
         self._check_running()
         if chunksize < 1:
             raise ValueError(f"Chunksize must be 1+, not {chunksize:n}")
-        items, result = list(iterable), kind(self)
+        items, result = list(iterable), result_type(self)
         payloads = items if chunksize == 1 else _chunks(items, chunksize)
-        self._submit(result, call_star if chunksize == 1 else map_star, func, payloads)
+        self._submit(result, call_star if chunksize == 1 else map_star, func, payloads, kind)
         result._set_length(len(payloads))
         return result if chunksize == 1 else (item for chunk in result for item in chunk)
 

@@ -4,31 +4,85 @@ A batch of tasks is one ``scatter`` of their arguments, each wrapped in a
 ``Shipped`` (directly to the workers: the scheduler never sees array data),
 then one Dask task per argument, which calls ``star(func, payload)`` on a
 worker and returns ``(success, value)`` in a ``Shipped`` the way the stdlib's
-worker does (an exception travels with its remote traceback). Each finished
-task hands its outcome to the caller's ``done(i, success, value)`` in Dask's
-callback thread; a task cancelled, or lost with its worker and its argument,
-finishes with that error. The initializer runs on every worker, present and
-future (restarts included), as a worker plugin: in the process that runs the
-tasks, so the globals it sets are the ones they see.
+worker does (an exception travels with its remote traceback). ``star`` and
+``func`` travel with each task as one pickle made once per batch. Each
+finished task hands its outcome to the caller's ``done(i, success, value)`` in
+Dask's callback thread; a task cancelled finishes with CancelledError. The
+script's functions run over one namespace per pool and worker (Note [Script
+namespaces] in _script.py); the initializer runs there on every worker,
+present and future (restarts included), as a worker plugin, so the globals it
+sets are the ones the pool's tasks see.
+
+Note [Lost workers]
+~~~~~~~~~~~~~~~~~~~
+A scattered argument lives on the worker it was sent to, and nowhere else: a
+worker that dies (SIGKILL, the out-of-memory killer) takes with it the
+arguments of every task of ours placed there, running or waiting, and Dask
+cancels those tasks ("already forgotten": scattered data cannot be
+recomputed). So the pool keeps each task's payload until the task ends, and a
+task lost that way (cancelled without our asking, or failed with Dask's
+``KilledWorker``) is sent again, argument and all, to the workers there are
+(the nanny restarts the dead one), as Dask retries the tasks of a dead worker:
+up to ``distributed.scheduler.allowed-failures`` times (3) per task; one lost
+once more finishes with ``DaskWorkerLostError`` (an ``mp_reductions.
+WorkerLostError``, as the local Pool raises) naming the worker, its pid when
+the scheduler told it, the task and its call. The copies of a lost argument
+leave this process's recycling pool at once (``mp_reductions.copies_lost``):
+the dead worker's view of them never comes back,
+so the pool would keep each as busy for ``BUSY_IDLES * IDLE`` seconds after it
+was sent (mp_reductions' Note [recycling]).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import functools
 import itertools
+import pickle
 import threading
+import time
 import uuid
 import warnings
 from multiprocessing.pool import ExceptionWithTraceback
 
+import dask
+import mp_reductions
 from distributed import WorkerPlugin
+from distributed.scheduler import KilledWorker
+from mp_reductions import WorkerLostError
 
-from ._transport import Shipped
+from . import _script
+from ._transport import Shipped, dumps_for_pool
+
+_CANCELLED = (concurrent.futures.CancelledError, asyncio.CancelledError)  # what a cancelled Dask future raises
 
 
-def run(star, func, shipped: Shipped) -> Shipped:
-    """One task, on a worker."""
+class DaskWorkerLostError(WorkerLostError):
+    """Raised when the Dask worker that ran a task, or held its arguments, died (a signal, the out-of-memory
+    killer, a crash) more times than Dask retries a task (Note [Lost workers])."""
+
+    def __init__(self, address: str | None, pid: int | None, index: int, kind: str = "task", losses: int = 1):
+        super().__init__(pid, None, index, kind)
+        self.address, self.losses = address, losses
+        self.args = (address, pid, index, kind, losses)
+
+    def __str__(self) -> str:
+        who = f"worker {self.address or '(address unknown)'}" + (f" (pid {self.pid})" if self.pid else "")
+        return (f"{who} of the Dask cluster died (a signal, often the out-of-memory killer: see its nanny's log "
+                f"and `dmesg`) while it ran or held task {self.index} of {self.kind}; that task was lost "
+                f"{self.losses} time(s), and Dask sends a lost task again {self.losses - 1} time(s) "
+                "(distributed.scheduler.allowed-failures); the pool goes on with the other tasks; resubmit this "
+                "one, or give it less memory")
+
+    def __reduce__(self):
+        return type(self), self.args
+
+
+def run(call: bytes, shipped: Shipped) -> Shipped:
+    """One task, on a worker: ``call`` is ``(star, func)`` pickled by ``dumps_for_pool``."""
     try:
+        star, func = pickle.loads(call)
         out = (True, star(func, shipped.value))
     except Exception as exc:
         out = (False, ExceptionWithTraceback(exc, exc.__traceback__))
@@ -66,14 +120,50 @@ def not_applied(name: str) -> None:
                   stacklevel=4)
 
 
-class Initializer(WorkerPlugin):
-    """Runs ``initializer(*initargs)`` in every worker process, as it starts or joins."""
+def worker_pids(dask_scheduler) -> dict[str, int]:
+    """On the scheduler: its workers' addresses and pids."""
+    return {address: ws.pid for address, ws in dask_scheduler.workers.items() if ws.pid}
 
-    def __init__(self, initializer, initargs):
-        self.initializer, self.initargs = initializer, tuple(initargs)
+
+def _outcome(task) -> tuple[bool, object]:
+    """A finished Dask task's ``(success, value)``; cancelled (by us, or lost with a worker), its error without
+    a traceback: Dask keeps that error in the state of a lost task, and the frames of a traceback would keep
+    the task's future, and so that state, alive for good (and, were they our callers', the job sent again: its
+    payload, the pool's result object and every result in it; seen)."""
+    try:
+        return task.result().value
+    except BaseException as exc:  # cancelled, failed to run, or lost with a worker
+        if isinstance(exc, (*_CANCELLED, KilledWorker)):
+            exc.__traceback__ = None
+        return False, exc
+
+
+class Initializer(WorkerPlugin):
+    """Runs the pool's initializer in every worker process, as it starts or joins, in the pool's namespace
+    (Note [Script namespaces]); the namespace goes with the plugin."""
+
+    def __init__(self, namespace: str, call: bytes):
+        self.namespace, self.call = namespace, call  # call: (initializer, initargs) pickled by dumps_for_pool
 
     def setup(self, worker):
-        self.initializer(*self.initargs)
+        initializer, initargs = pickle.loads(self.call)
+        initializer(*initargs)
+
+    def teardown(self, worker):
+        _script.drop(self.namespace)
+
+
+class Job:
+    """One task of a batch, from submit until its outcome is handed on (sent again when lost)."""
+
+    __slots__ = ("index", "call", "payload", "done", "kind", "task", "arg", "sent", "losses", "cancelled")
+
+    def __init__(self, index: int, call: bytes, payload, done, kind: str):
+        self.index, self.call, self.payload, self.done, self.kind = index, call, payload, done, kind
+        self.task = self.arg = None  # the Dask futures of the task and of its argument, now
+        self.sent = None  # the Shipped its argument went in
+        self.losses = 0
+        self.cancelled = False
 
 
 class Tasks:
@@ -84,44 +174,120 @@ class Tasks:
             raise TypeError("initializer must be a callable")
         self.client = context.client
         self.same_node = context.same_node
+        self.namespace = f"arraymp-pool-{uuid.uuid4().hex}"  # Note [Script namespaces]
+        self.allowed_failures = int(dask.config.get("distributed.scheduler.allowed-failures", 3))
         self.lock = threading.Lock()
         self.idle = threading.Condition(self.lock)
-        self.pending: dict = {}  # task key -> (task future, argument future)
+        self.pending: set[Job] = set()
+        self.closed = False
+        self.pids_at = 0.0
+        self.pids: dict[str, int] = {}  # worker address -> pid, as the scheduler last told (Note [Lost workers])
+        self._learn_pids()
         self.plugin = None
         if initializer is not None:
             self.plugin = f"arraymp-initializer-{uuid.uuid4().hex}"
-            self.client.register_plugin(Initializer(initializer, initargs), name=self.plugin)
+            call = dumps_for_pool((initializer, tuple(initargs)), self.namespace)
+            self.client.register_plugin(Initializer(self.namespace, call), name=self.plugin)
 
-    def submit(self, star, func, payloads, done) -> list:
-        """One task per payload; ``done(i, success, value)`` once each ends. The Dask futures of the tasks."""
+    def submit(self, star, func, payloads, done, kind: str = "task") -> list[Job]:
+        """One task per payload; ``done(i, success, value)`` once each ends (``kind``: the call, for errors)."""
         payloads = list(payloads)
         if not payloads:
             return []
-        args = self.client.scatter([Shipped(p, self.same_node) for p in payloads], direct=True, hash=False)
-        tasks = []
-        for i, arg in enumerate(args):
-            task = self.client.submit(run, star, func, arg, pure=False)
-            with self.lock:
-                self.pending[task.key] = task, arg
-            task.add_done_callback(functools.partial(self._finished, i, done))
-            tasks.append(task)
-        return tasks
-
-    def _finished(self, i, done, task) -> None:
-        try:
-            success, value = task.result().value
-        except BaseException as exc:  # cancelled, or lost with a worker and its argument
-            success, value = False, exc
+        call = dumps_for_pool((star, func), self.namespace)
+        jobs = [Job(i, call, p, done, kind) for i, p in enumerate(payloads)]
         with self.lock:
-            self.pending.pop(task.key, None)  # the last reference: Dask releases the argument and the result
+            self.pending.update(jobs)
+        try:
+            self._send(jobs)
+        except BaseException:
+            with self.lock:
+                self.pending.difference_update(jobs)
+                self.idle.notify_all()
+            raise
+        return jobs
+
+    def _send(self, jobs: list[Job]) -> None:
+        sent = [Shipped(job.payload, self.same_node, self.namespace, copies=[]) for job in jobs]
+        args = self.client.scatter(sent, direct=True, hash=False)
+        for job, shipped, arg in zip(jobs, sent, args, strict=True):
+            task = self.client.submit(run, job.call, arg, pure=False)
+            with self.lock:
+                job.task, job.arg, job.sent, cancelled = task, arg, shipped, job.cancelled
+            if cancelled:  # cancel() ran while the task was sent again
+                self.client.cancel([task])
+            task.add_done_callback(functools.partial(self._finished, job))
+
+    def _finished(self, job: Job, task) -> None:
+        success, value = _outcome(task)
+        if not success and self._lost(job, value):
+            value = self._again(job, value)
+            if value is None:
+                return  # sent again: this job goes on
+        with self.lock:
+            self.pending.discard(job)  # the last reference: Dask releases the argument and the result
+            job.task = job.arg = job.payload = job.sent = None
             if not self.pending:
                 self.idle.notify_all()
-        done(i, success, value)
+        job.done(job.index, success, value)
 
-    def cancel(self, tasks=None) -> None:
-        """Cancel ``tasks`` (default: every pending one); each then ends with CancelledError."""
+    def _lost(self, job: Job, exc: BaseException) -> bool:
+        """Whether ``exc`` says the task went with a worker (Note [Lost workers]), not that we cancelled it."""
         with self.lock:
-            tasks = [t for t, _ in self.pending.values()] if tasks is None else list(tasks)
+            ours = job.cancelled or self.closed
+        return not ours and isinstance(exc, (*_CANCELLED, KilledWorker)) and self.client.status == "running"
+
+    def _again(self, job: Job, exc: BaseException) -> BaseException | None:
+        """Send a lost task again; None when sent, else the error it finishes with."""
+        mp_reductions.copies_lost(job.sent.copies)
+        job.losses += 1
+        if isinstance(exc, KilledWorker) or job.losses > self.allowed_failures:
+            address, pid = self._lost_worker(job, exc)
+            losses = job.losses if not isinstance(exc, KilledWorker) else exc.allowed_failures + 1
+            return DaskWorkerLostError(address, pid, job.index, job.kind, losses)
+        if time.monotonic() - self.pids_at > 1.0:  # the dead worker's replacement, once per burst of losses
+            self._learn_pids()
+        try:
+            self._send([job])
+        except Exception as send_exc:  # the cluster is going away
+            return send_exc
+        return None
+
+    def _learn_pids(self) -> None:
+        """The workers' pids, from the scheduler (a scheduler without mp-dask installed says nothing)."""
+        self.pids_at = time.monotonic()
+        try:
+            pids = self.client.run_on_scheduler(worker_pids)
+        except Exception:
+            return
+        with self.lock:
+            self.pids.update(pids)
+
+    def _lost_worker(self, job: Job, exc: BaseException) -> tuple[str | None, int | None]:
+        """The address and pid of the worker whose removal lost ``job`` (the scheduler's event log)."""
+        if isinstance(exc, KilledWorker):
+            ws = exc.last_worker
+            return getattr(ws, "address", None), getattr(ws, "pid", None)
+        keys = {k for k in (getattr(job.task, "key", None), getattr(job.arg, "key", None)) if k is not None}
+        address = None
+        try:
+            for _, msg in reversed(self.client.get_events("all")):
+                if isinstance(msg, dict) and msg.get("action") == "remove-worker" and \
+                        keys & (set(msg.get("lost-scattered-tasks", ())) | set(msg.get("processing-tasks", ()))):
+                    address = msg.get("worker")
+                    break
+        except Exception:
+            pass
+        with self.lock:
+            return address, self.pids.get(address)
+
+    def cancel(self, jobs=None) -> None:
+        """Cancel ``jobs`` (default: every pending one); each then ends with CancelledError."""
+        with self.lock:
+            jobs = list(self.pending) if jobs is None else [job for job in jobs if job in self.pending]
+            for job in jobs:
+                job.cancelled = True
+            tasks = [job.task for job in jobs if job.task is not None]
         if tasks:
             self.client.cancel(tasks)
 
@@ -130,6 +296,18 @@ class Tasks:
             return self.idle.wait_for(lambda: not self.pending, timeout)
 
     def close(self) -> None:
-        plugin, self.plugin = self.plugin, None
-        if plugin is not None and self.client.status == "running":
-            self.client.unregister_worker_plugin(plugin)
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            plugin, self.plugin = self.plugin, None
+        bound = _script.sent(self.namespace)
+        if self.client.status != "running":
+            return
+        if plugin is not None:
+            self.client.unregister_worker_plugin(plugin)  # its teardown drops the namespace
+        elif bound:
+            try:
+                self.client.run(_script.drop, self.namespace)
+            except Exception:  # a worker gone meanwhile: its namespace went with it
+                pass

@@ -39,6 +39,10 @@ makes one handle (one in-flight count) per copy sent. A message that is lost
 (its recipient killed before reading it) leaves its count until the creating
 group ends.
 
+A task's arguments carry its function too, and a pool's name: the script's
+functions in them are rebuilt over that pool's namespace on the worker (Note
+[Script namespaces] in _script.py); results go back as cloudpickle sends them.
+
 Counters (this process; ``DaskContext.transfer_counters`` sums a cluster):
 ``handles_sent``, ``inband_array_bytes`` (array data that went as bytes),
 ``sends`` (messages with a recipient), ``sends_without_recipient``.
@@ -66,18 +70,23 @@ from mp_reductions import (
     set_sharing_strategy,
 )
 
+from . import _script
+
 _COUNTERS = ("handles_sent", "inband_array_bytes", "sends", "sends_without_recipient")
 _counts = dict.fromkeys(_COUNTERS, 0)
 _counts_lock = threading.Lock()
 
 
 class Shipped:
-    """A task's arguments or result on its way through Dask (see the module header)."""
+    """A task's arguments or result on its way through Dask (see the module header). ``namespace``: the pool
+    whose namespace the script's functions in ``value`` are rebuilt over (Note [Script namespaces]);
+    ``copies``: a list, to collect the segments its arrays are copied into when sent (Note [Lost workers] in
+    _tasks.py)."""
 
-    __slots__ = ("value", "same_node")
+    __slots__ = ("value", "same_node", "namespace", "copies")
 
-    def __init__(self, value, same_node: bool = True):
-        self.value, self.same_node = value, same_node
+    def __init__(self, value, same_node: bool = True, namespace: str | None = None, copies: list | None = None):
+        self.value, self.same_node, self.namespace, self.copies = value, same_node, namespace, copies
 
 
 def transfer_counters() -> dict[str, int]:
@@ -138,31 +147,52 @@ def same_node(host: str | None) -> bool:
 
 class _Pickler(cloudpickle.Pickler):
     """Dask's pickler (cloudpickle: lambdas in arguments work as on plain Dask), arrays as Note [Same-node
-    transport] says."""
+    transport] says, the script's functions over the namespace of the pool ``namespace`` (Note [Script
+    namespaces]); ``buffers`` None: everything in band, uncounted."""
 
-    def __init__(self, file, buffers: list, copy=None):
-        super().__init__(file, protocol=5, buffer_callback=buffers.append)
+    def __init__(self, file, buffers: list | None, copy=None, namespace: str | None = None):
+        super().__init__(file, protocol=5, buffer_callback=None if buffers is None else buffers.append)
         self.copy = copy  # a message_copies() copier when arrays go as handles, else None
+        self.copies: list[shm_core.Segment] = []  # the segments it copied into
+        self.counted = buffers is not None
         self.threshold = get_inline_threshold()
+        self.namespace = namespace
+        self.namespace_ref = None if namespace is None else _script.NamespaceRef(namespace)  # one per pickle
 
     def reducer_override(self, obj):
         if type(obj) is np.ndarray and not obj.dtype.hasobject:
             if self.copy is not None and obj.nbytes >= max(self.threshold, 1):
-                if not _in_named_segment(obj):  # a memfd one cannot cross TCP: copied like any other
+                if _named_segment(obj) is None:  # a memfd one cannot cross TCP: copied like any other
                     obj = self.copy(obj)
+                    self.copies.append(_named_segment(obj))
                 _count(handles_sent=1)
                 return reduce_ndarray(obj)
-            _count(inband_array_bytes=obj.nbytes)
+            if self.counted:
+                _count(inband_array_bytes=obj.nbytes)
         return super().reducer_override(obj)
 
+    def _dynamic_function_reduce(self, func):
+        if self.namespace is not None and _script.is_script_function(func, self.namespace):
+            return _script.reduce_in_namespace(self, func, self.namespace_ref)
+        return super()._dynamic_function_reduce(func)
 
-def _in_named_segment(arr: np.ndarray) -> bool:
+
+def dumps_for_pool(obj, namespace: str) -> bytes:
+    """``obj`` (a pool's initializer and its arguments, or a batch's task function) as one pickle, loaded by
+    every worker that runs it, also those that start later: arrays in band, the script's functions over the
+    pool's namespace."""
+    f = io.BytesIO()
+    _Pickler(f, None, namespace=namespace).dump(obj)
+    return f.getvalue()
+
+
+def _named_segment(arr: np.ndarray) -> shm_core.Segment | None:
     base = arr
     while isinstance(base, np.ndarray):
         base = base.base
     if isinstance(base, memoryview):
         base = base.obj
-    return isinstance(base, shm_core.Segment) and bool(base.name)
+    return base if isinstance(base, shm_core.Segment) and base.name else None
 
 
 @dask_serialize.register(Shipped)
@@ -175,12 +205,17 @@ def _dumps(obj: Shipped, context=None):
     buffers: list = []
     f = io.BytesIO()
     with message_copies() if handles else contextlib.nullcontext() as copy:
-        _Pickler(f, buffers, copy).dump(obj.value)
+        pickler = _Pickler(f, buffers, copy, obj.namespace)
+        pickler.dump(obj.value)
+    if obj.copies is not None:
+        obj.copies += pickler.copies
     frames = [f.getbuffer(), *(b.raw() for b in buffers)]
-    return {"same_node": obj.same_node, "handles": handles}, frames
+    return {"same_node": obj.same_node, "handles": handles, "namespace": obj.namespace}, frames
 
 
 @dask_deserialize.register(Shipped)
 def _loads(header, frames):
     buffers = [b if not memoryview(b).readonly else bytearray(b) for b in frames[1:]]
-    return Shipped(pickle.loads(frames[0], buffers=buffers), bool(header.get("same_node", True)))
+    namespace = header.get("namespace")
+    return Shipped(pickle.loads(frames[0], buffers=buffers), bool(header.get("same_node", True)),
+                   namespace if isinstance(namespace, str) else None)

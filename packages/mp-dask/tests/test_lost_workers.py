@@ -1,0 +1,68 @@
+"""A worker killed mid-map (Note [Lost workers] in _tasks.py): its tasks are sent again, or, past Dask's
+``allowed-failures``, fail with WorkerLostError naming the worker; no segment outlives ``terminate()`` and
+the arguments by more than 3 s."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import dask
+import mp_dask
+import mp_reductions
+import numpy as np
+import pytest
+from _targets import f, stall_first
+from conftest import CLUSTER, kill, pid_alive, segments, wait_until
+
+
+def arrays() -> list[np.ndarray]:
+    return [np.full(1 << 18, i, np.float32) for i in range(16)]  # 1 MiB each: they travel as handles
+
+
+def started(marker: str) -> int:
+    wait_until(lambda: os.path.exists(marker), 60, "the first task to start")
+    with open(marker) as fh:
+        return int(fh.read())
+
+
+def test_tasks_of_a_killed_worker_are_sent_again(scratch, tmp_path):
+    marker = str(tmp_path / "running")
+    args = arrays()
+    with mp_dask.get_context(**CLUSTER, local_directory=scratch) as ctx:
+        p = ctx.Pool(2)
+        result = p.starmap_async(stall_first, [(a, marker) for a in args], chunksize=1)
+        pid = started(marker)
+        kill(pid)
+        assert result.get(60) == [float(a.sum()) for a in args]  # the lost ones ran again elsewhere
+        assert not pid_alive(pid)
+        out = p.map(f, args[:4])  # the pool works on
+        np.testing.assert_array_equal(out[3], (args[3] + 1) * 2)
+        p.terminate()
+        del args, result, out
+        took = wait_until(lambda: not segments(), 3, f"segments to go after terminate(): {segments()}")
+        assert took < 3
+
+
+def test_past_allowed_failures_the_task_fails_naming_the_worker(scratch, tmp_path):
+    marker = str(tmp_path / "running")
+    args = arrays()
+    with mp_dask.get_context(**CLUSTER, local_directory=scratch) as ctx:
+        where = {pid: address for address, pid in ctx.client.run(os.getpid).items()}
+        with dask.config.set({"distributed.scheduler.allowed-failures": 0}):  # the pool's; the scheduler's is 3
+            p = ctx.Pool(2)
+        result = p.starmap_async(stall_first, [(a, marker) for a in args], chunksize=1)
+        pid = started(marker)
+        kill(pid)
+        with pytest.raises(mp_reductions.WorkerLostError) as info:
+            result.get(60)
+        err = info.value
+        assert isinstance(err, mp_dask.DaskWorkerLostError)
+        assert (err.address, err.pid, err.kind) == (where[pid], pid, "map"), str(err)
+        assert f"worker {where[pid]} (pid {pid})" in str(err) and "of map" in str(err)
+        assert str(pickle.loads(pickle.dumps(err))) == str(err)
+        out = p.map(f, args[:4])  # the pool works on
+        np.testing.assert_array_equal(out[3], (args[3] + 1) * 2)
+        p.terminate()
+        del args, result, out, err, info
+        wait_until(lambda: not segments(), 3, f"segments to go after terminate(): {segments()}")
