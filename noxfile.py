@@ -84,10 +84,10 @@ def facade(session):
 NONROOT_NOFILE = (1024, 65536)
 NONROOT_SUITES = ["shm-core", "shm-manager", "mp-reductions", "mp-spawn"]
 # Run as root: drop to the throw-away user (argv[1]) with a normal user's limits, then run the command (argv[2:]).
-_DROP = """
+_DROP = f"""
 import os, pwd, resource, sys
 user = pwd.getpwnam(sys.argv[1])
-soft, hard = %d, %d
+soft, hard = {NONROOT_NOFILE[0]}, {NONROOT_NOFILE[1]}
 try:  # a hard limit above this machine's needs CAP_SYS_RESOURCE, which a container's root may lack
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, max(hard, resource.getrlimit(resource.RLIMIT_NOFILE)[1])))
 except (OSError, ValueError):
@@ -97,7 +97,7 @@ os.setgid(user.pw_gid)
 os.setuid(user.pw_uid)
 os.environ.update(HOME=user.pw_dir, USER=user.pw_name, LOGNAME=user.pw_name)
 os.execvp(sys.argv[2], sys.argv[2:])
-""" % NONROOT_NOFILE
+"""
 
 
 @nox.session
@@ -116,7 +116,7 @@ def nonroot(session):
     base = pathlib.Path(tempfile.mkdtemp(prefix="arraymp-nonroot-"))
     try:
         base.chmod(0o755)
-        session.run("python", "-m", "venv", str(base / "venv"))
+        session.run(_python_for_others(session), "-m", "venv", str(base / "venv"), external=True)
         py = str(base / "venv" / "bin" / "python")
         session.run("uv", "pip", "install", "-q", "--python", py, *PKG["mp_reductions"], "packages/mp-spawn",
                     "pytest")
@@ -135,6 +135,18 @@ def nonroot(session):
             session.run("userdel", "--remove", user, external=True, success_codes=[0, 12])  # 12: no mail spool
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _python_for_others(session: nox.Session) -> str:
+    """An interpreter another user may run: this session's, unless it lies under a directory others cannot enter
+    (pyenv's under /root), else the system's python3."""
+    here = session.run("python", "-c", "import os, sys; print(os.path.realpath(sys.executable))", silent=True).strip()
+    for candidate in (here, shutil.which("python3", path="/usr/bin:/bin") or ""):
+        path = pathlib.Path(candidate)
+        if candidate and all(p.stat().st_mode & 0o001 for p in (path, *path.parents)):
+            return candidate
+    session.error(f"no Python that another user may run: {here} lies under a directory others cannot enter, and "
+                  "there is no /usr/bin/python3; install one (apt-get install python3-venv python3-dev)")
 
 
 def _end_user_processes(uid: int) -> None:

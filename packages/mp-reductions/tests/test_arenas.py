@@ -4,6 +4,7 @@
 import gc
 import multiprocessing
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -106,7 +107,16 @@ def _hold_inherited(a, ready, release):
     ready.put(int(a.sum()))
 
 
-def test_old_received_array_is_sent_again_shared(strategy):
+@pytest.fixture
+def small_budget():
+    """A soft RLIMIT_NOFILE of 512 for the test (a budget of 128 descriptors): past the budget in few arrays."""
+    old = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (512, old[1]))
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, old)
+
+
+def test_old_received_array_is_sent_again_shared(strategy, small_budget):
     # defect 2: past the descriptor LRU, a re-sent received array went as a silent copy
     q = mpr.SimpleQueue()
     n = _shared.fd_budget() + 30
@@ -128,7 +138,7 @@ def test_old_received_array_is_sent_again_shared(strategy):
     q.close()
 
 
-def test_an_old_array_past_the_budget_goes_shared_as_a_spawn_argument(strategy):
+def test_an_old_array_past_the_budget_goes_shared_as_a_spawn_argument(strategy, small_budget):
     # its descriptor was closed by the LRU: the launcher gets it re-opened (Note [channels we do not own])
     q = mpr.SimpleQueue()
     got = []

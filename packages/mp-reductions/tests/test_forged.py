@@ -9,8 +9,8 @@ malicious peer could send.
 
 import contextlib
 import ctypes
-import multiprocessing
 import fcntl
+import multiprocessing
 import os
 import pickle
 import queue

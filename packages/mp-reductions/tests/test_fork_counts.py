@@ -9,7 +9,6 @@ import time
 
 import mp_reductions as mpr
 import numpy as np
-import pytest
 import shm_core
 from mp_reductions import _recycle, _shared
 

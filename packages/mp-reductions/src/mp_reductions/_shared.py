@@ -9,7 +9,8 @@ references: a segment goes when its last array goes.
 Note [descriptors]: a mapping needs no descriptor, but sending a memfd
 segment does. Every memfd segment of this process, made here or received,
 keeps its descriptor in one LRU (``_Table.fd_lru``) of at most ``fd_budget()``
-entries (a quarter of RLIMIT_NOFILE, 16 to BUDGET_MAX). At its first use a
+entries (a quarter of RLIMIT_NOFILE, or all of it but BUDGET_RESERVE when that
+is more; 16 to BUDGET_MAX). At its first use a
 process raises its soft RLIMIT_NOFILE to the hard limit, as Go's runtime does
 at start-up: the soft limit of a normal user is commonly 1024 (a budget of 256)
 under a hard one of 65,536 to 1,048,576, and the budget is what lets a process
@@ -84,6 +85,7 @@ ARENA_MARK = 0x414E4552_41504D41  # "AMPAREN A" in the header's user word: this 
 BLOCK_HEAD = ALIGN  # a block's count word and size word (Note [arenas])
 MAX_ARENAS = 4
 BUDGET_MAX = 1 << 18  # memfd descriptors kept open at most (Note [descriptors])
+BUDGET_RESERVE = 4096  # descriptors left to the rest of the program under a large limit (Note [descriptors])
 _REUSE_TRIES = 8
 _HDR = shm_core.HEADER_SIZE
 _VIEWS = shm_core.VIEWS_OFFSET  # the views word (_recycle.REFS)
@@ -95,7 +97,7 @@ def fd_budget() -> int:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         soft = 1 << 20
-    return max(16, min(BUDGET_MAX, soft // 4))
+    return max(16, min(BUDGET_MAX, max(soft // 4, soft - BUDGET_RESERVE)))
 
 
 _nofile_raised = None  # the pid that raised its soft RLIMIT_NOFILE
@@ -223,8 +225,8 @@ def _after_fork_in_child():
     _arenas = _Arenas()
     counted, _fork_counted = _fork_counted, ((), (), ())
     now = _held()
-    _count(tuple(c - h for c, h in zip(counted, now)), -1)  # dropped by another thread before the fork
-    _count(tuple(h - c for c, h in zip(counted, now)), 1)  # made by another thread before the fork
+    _count(tuple(c - h for c, h in zip(counted, now, strict=True)), -1)  # dropped by another thread before the fork
+    _count(tuple(h - c for c, h in zip(counted, now, strict=True)), 1)  # made by another thread before the fork
     for seg in now[1]:
         shm_manager.hold(seg.name, seg.dir)  # the daemon gives the child's count back if it is killed
 

@@ -232,7 +232,7 @@ def _is_cleanup_daemon(pid: int) -> bool:
     return any(
         flag == option and value.startswith(prefix)
         for flag, prefix in _CLEANUP_DAEMONS
-        for option, value in zip(argv, argv[1:])
+        for option, value in zip(argv, argv[1:], strict=False)
     )
 
 

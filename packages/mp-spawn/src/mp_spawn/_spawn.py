@@ -567,7 +567,7 @@ def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method
     ]
     error_files = [os.path.join(error_dir, f"{i}.error") for i in range(nprocs)]
     if start_method != "fork":
-        for process, path in zip(processes, error_files):
+        for process, path in zip(processes, error_files, strict=True):
             process.name += _NAME_TAG + path  # Note [unguarded main]
     try:
         _start_all(processes, start_method)
