@@ -43,12 +43,20 @@ def test_default_context_follows_the_stdlib_start_method():
     assert isinstance(mp.Queue(), mp_reductions.Queue)
 
 
-def test_reductions_registered_once_with_forkingpickler():
+@pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
+def test_reductions_registered_once_with_forkingpickler(strategy):
+    # outside our channels (a bare ForkingPickler, the stdlib's Queue and Pipe) a named segment travels by name,
+    # an array of a memfd one as a copy: its descriptor would be served by a sender that may be gone (issue 24)
     assert ForkingPickler._extra_reducers[np.ndarray] is mp_reductions.reduce_ndarray
-    x = mp.zeros_shared((10,))
-    y = ForkingPickler.loads(ForkingPickler.dumps(x))
-    y[0] = 1
-    assert x[0] == 1
+    old = mp.get_sharing_strategy()
+    mp.set_sharing_strategy(strategy)
+    try:
+        x = mp.zeros_shared((10_000,))
+        y = ForkingPickler.loads(ForkingPickler.dumps(x))
+        y[0] = 1
+        assert x[0] == (1 if strategy == "file_system" else 0)
+    finally:
+        mp.set_sharing_strategy(old)
 
 
 def test_cupy_reducer_registered_when_cupy_is_imported_not_before():

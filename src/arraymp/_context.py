@@ -71,7 +71,8 @@ def _dask_context(**kwargs):
         import mp_dask
     except ImportError as exc:
         raise ImportError(f"get_context('dask') needs the mp-dask package ({exc}); install it with "
-                          "`pip install 'arraymp[dask]'` (from a clone: `pip install packages/mp-dask`)") from exc
+                          "`pip install 'arraymp[dask]'` (from a clone: `python3 -m pip install --no-cache-dir "
+                          "./packages/{shm-core,shm-manager,mp-reductions,shm-cuda,mp-spawn,mp-dask} '.[dask]'`)") from exc
     return mp_dask.get_context(**kwargs)
 
 

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from multiprocessing import pool as mp_pool
 
 import _pool_targets as T
 import mp_reductions as mpr
@@ -87,6 +88,15 @@ class PoolSuite:
         with mpr.Pool(1, initializer=T.share_results, initargs=("file_system",), context=ctx) as pool:
             got = pool.map(T.three_mib, range(3), chunksize=3)
         assert [(float(a[0]), float(a[-1]), a.nbytes) for a in got] == [(i, i, 3 << 20) for i in range(3)]
+
+    def test_a_result_that_cannot_be_sent_says_why_first(self, ctx):
+        # issue 24: MaybeEncodingError put its reason after the value's repr: a screenful of arrays
+        with mpr.Pool(1, context=ctx) as pool:
+            with pytest.raises(mp_pool.MaybeEncodingError) as info:
+                pool.apply_async(T.arrays_and_a_lock, (ctx.get_start_method(),)).get(TIMEOUT)
+        message = str(info.value)
+        assert "Lock objects should only be shared between processes through inheritance" in message, message
+        assert len(message) < 2000, message  # (the values' repr alone ran to 160 kB)
 
     def test_every_call_equals_a_serial_run(self, ctx):
         xs = list(range(40))

@@ -1,5 +1,6 @@
 """Functions run in pool workers (importable under spawn and forkserver)."""
 
+import multiprocessing
 import os
 import time
 
@@ -121,3 +122,8 @@ def kept_sum(_):
 
 def three_mib(i):
     return np.full(3 << 18, i, np.float32)
+
+
+def arrays_and_a_lock(method):
+    """A result that cannot be pickled, after a long repr."""
+    return [np.arange(float(i), i + 1000.0) for i in range(20)] + [multiprocessing.get_context(method).Lock()]

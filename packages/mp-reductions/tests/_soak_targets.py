@@ -1,6 +1,7 @@
-"""The soak run (test_soak.py): ``python _soak_targets.py STRATEGY SECONDS`` prints its figures as JSON.
+"""The soak run (test_soak.py): ``python _soak_targets.py STRATEGY SECONDS METHOD`` prints its figures as JSON.
 
-This process is the parent, never killed; everything else is, at random::
+This process is the parent, never killed; everything else is, at random (its children started by METHOD: under
+fork they inherit the parent's arrays and counts, _shared Note [fork])::
 
     producer ─q1─▶ stage A (re-sends what it got) ─q2─▶ stage B (sends a new array) ─q3─▶ sink
         └───────────────── every receiver reports (role, seq, ok) on `reports` ─────────────▶ parent
@@ -108,9 +109,9 @@ def ours(group: str) -> list[str]:
 
 
 class Run:
-    def __init__(self, strategy: str, seconds: float):
+    def __init__(self, strategy: str, seconds: float, method: str):
         self.strategy, self.seconds = strategy, seconds
-        self.ctx = multiprocessing.get_context("spawn")
+        self.ctx = multiprocessing.get_context(method)
         self.group = shm_manager.group()
         self.rng = random.Random(os.getpid())
         self.figures = dict(strategy=strategy, kills=0, arrays_checked=0, wrong=0, calls=0, hung_calls=0,
@@ -247,4 +248,4 @@ class Run:
 
 
 if __name__ == "__main__":
-    print(json.dumps(Run(sys.argv[1], float(sys.argv[2])).run()))
+    print(json.dumps(Run(sys.argv[1], float(sys.argv[2]), sys.argv[3]).run()))

@@ -1,6 +1,7 @@
 """Functions run in child processes (importable under spawn and forkserver)."""
 
 import os
+import pickle
 import time
 
 import mp_reductions as mpr
@@ -162,3 +163,18 @@ def wait_under_default_timeout(q, sq, inbox, out):
         conn.close()
     except Exception as e:
         out.put(repr(e))
+
+
+def load_twice(data):
+    """Unpickle the same message twice: a replay (or a forged copy) of a named handle."""
+    mpr.init_reductions()
+    a, b = pickle.loads(data), pickle.loads(data)
+
+
+def load_and_report(data, out):
+    mpr.init_reductions()
+    try:
+        pickle.loads(data)
+        out.put("loaded")
+    except Exception as e:
+        out.put(f"{type(e).__name__}: {e}")

@@ -20,6 +20,7 @@ import time
 from multiprocessing import reduction
 from pathlib import Path
 
+import _targets
 import mp_reductions as mpr
 import numpy as np
 import pytest
@@ -442,3 +443,27 @@ def test_fuzzed_headers_raise_clearly(receiver):
         assert got[0] == ("ok" if valid else "error") and (valid or got[3]), (magic, version, claimed, length, got)
 
     check()
+
+
+
+def test_a_replayed_named_handle_is_named_as_a_cause():
+    # issue 20: the same pickled bytes received twice take a count never owned; the segment is then unlinked while
+    # its sender holds it, and the next receiver was told to keep "the sender's array alive", which it was
+    ctx = multiprocessing.get_context("spawn")
+    mpr.set_sharing_strategy("file_system")
+    try:
+        a = mpr.empty_shared(100_000)
+        a[:] = 1
+        p = ctx.Process(target=_targets.load_twice, args=(bytes(reduction.ForkingPickler.dumps(a)),))
+        p.start()
+        p.join(60)
+        assert p.exitcode == 0
+        out = mpr.Queue()
+        p = ctx.Process(target=_targets.load_and_report, args=(bytes(reduction.ForkingPickler.dumps(a)), out))
+        p.start()
+        message = out.get(timeout=60)
+        p.join(60)
+        assert message.startswith("FileNotFoundError") and "received twice" in message, message
+        assert (a == 1).all()  # the sender's array itself is untouched
+    finally:
+        mpr.set_sharing_strategy("file_descriptor")

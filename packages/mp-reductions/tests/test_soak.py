@@ -1,7 +1,7 @@
 """The soak test (issue 12): a pipeline and a Pool under random SIGKILLs, both strategies.
 
-``_soak_targets.py`` runs as the parent (never killed) for ARRAYMP_SOAK_SECONDS in all (15 by default, half
-per strategy; ``nox -s soak`` sets 300) and prints its figures; this test checks them and, once that parent
+``_soak_targets.py`` runs as the parent (never killed) for ARRAYMP_SOAK_SECONDS per start method (15 by default,
+half per strategy; ``nox -s soak`` sets 300), under spawn and fork and prints its figures; this test checks them and, once that parent
 has exited, that nothing of its run is left.
 """
 
@@ -45,12 +45,13 @@ def shm_kib() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("Shmem:"))
 
 
+@pytest.mark.parametrize("method", ["spawn", "fork"])
 @pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
-def test_soak(strategy):
+def test_soak(strategy, method):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
     env.pop("ARRAYMP_GROUP", None)  # the run is a group of its own: its end is checked below
     shm_before = shm_kib()
-    out = subprocess.run([sys.executable, TARGETS, strategy, str(SECONDS / 2)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, TARGETS, strategy, str(SECONDS / 2), method], capture_output=True, text=True,
                          timeout=SECONDS / 2 + 300, env=env)
     assert out.returncode == 0, out.stderr
     figures = json.loads(out.stdout.splitlines()[-1])

@@ -110,10 +110,14 @@ def test_special_files_named_like_segments_are_refused(shm):
     fifo, directory, sock = (shm / shm_core.segment_name() for _ in range(3))
     os.mkfifo(fifo, 0o600)
     directory.mkdir()
-    with socket.socket(socket.AF_UNIX) as s:
-        s.bind(str(sock))
-        for path, what in ((fifo, "pipe or FIFO"), (directory, "directory"), (sock, "socket")):
-            refuse(path.name, match=what)  # and the FIFO does not block
+    dfd = os.open(shm, os.O_PATH | os.O_DIRECTORY)
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(f"/proc/self/fd/{dfd}/{sock.name}")  # (a long tmp path, as a normal user's, passes 108 bytes)
+            for path, what in ((fifo, "pipe or FIFO"), (directory, "directory"), (sock, "socket")):
+                refuse(path.name, match=what)  # and the FIFO does not block
+    finally:
+        os.close(dfd)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another user")

@@ -183,7 +183,9 @@ def _held() -> tuple[set, set, set]:
     """What a fork child would inherit: segments with live views, named segments this process counts, and
     arena blocks it views (as (segment, block))."""
     views, named, blocks = set(), set(), set()
-    for key, seg in list(_table.segments.items()):
+    with _table.lock:  # another thread may be adding one
+        segments = list(_table.segments.items())
+    for key, seg in segments:
         if seg.exports > 0:
             views.add(seg)
         if key[0] == "n" and seg.release_hook is not None:

@@ -203,6 +203,12 @@ def _release_locked(name: str, dir) -> bool:
     return True
 
 
+def held() -> set[str]:
+    """The names of the segments this process holds a count of (told with :func:`hold`, not yet released)."""
+    with _lock:
+        return {name for c in _conns.values() for name, n in c.holds.items() if n > 0}
+
+
 def flush(timeout: float = 1.0) -> bool:
     """Send what is buffered, waiting up to ``timeout`` per daemon; True when nothing is left."""
     with _lock:

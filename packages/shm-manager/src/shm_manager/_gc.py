@@ -89,9 +89,10 @@ def remove_group(group: str, dfd: int, names=()) -> list[tuple[str, int]]:
     return removed
 
 
-def end_group(group: str, rdir: str, dfd: int, names=()) -> list[tuple[str, int]] | None:
+def end_group(group: str, rdir: str, dfd: int, names=(), held=frozenset()) -> list[tuple[str, int]] | None:
     """When the group's lock proves it dead, remove what is left of it in ``dfd`` (segments, then its socket and
-    lock in ``rdir``) and log that; None while it lives. Note [Proof of death] in _paths.py."""
+    lock in ``rdir``) and log what leaked, all but the ``held`` names (the exiting caller still held them); None
+    while it lives. Note [Proof of death] in _paths.py."""
     try:
         fd = _paths.take_if_dead(rdir, group)
     except FileNotFoundError:
@@ -102,9 +103,10 @@ def end_group(group: str, rdir: str, dfd: int, names=()) -> list[tuple[str, int]
         removed = remove_group(group, dfd, names)
     finally:
         _paths.release_dead(fd, rdir, group)
-    if removed:
-        _paths.log(rdir, group, f"all processes of the group ended; removed {len(removed)} leaked segment(s), "
-                                f"{sum(size for _, size in removed):,} bytes: {', '.join(n for n, _ in removed)}")
+    leaked = [(n, size) for n, size in removed if n not in held]
+    if leaked:
+        _paths.log(rdir, group, f"all processes of the group ended; removed {len(leaked)} leaked segment(s), "
+                                f"{sum(size for _, size in leaked):,} bytes: {', '.join(n for n, _ in leaked)}")
     return removed
 
 
