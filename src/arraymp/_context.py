@@ -72,7 +72,8 @@ def _dask_context(**kwargs):
     except ImportError as exc:
         raise ImportError(f"get_context('dask') needs the mp-dask package ({exc}); install it with "
                           "`pip install 'arraymp[dask]'` (from a clone: `python3 -m pip install --no-cache-dir "
-                          "./packages/{shm-core,shm-manager,mp-reductions,shm-cuda,mp-spawn,mp-dask} '.[dask]'`)") from exc
+                          "./packages/{shm-core,shm-manager,mp-reductions,shm-cuda,mp-spawn,mp-dask} '.[dask]'`)"
+                          ) from exc
     return mp_dask.get_context(**kwargs)
 
 

@@ -168,7 +168,8 @@ def wait_under_default_timeout(q, sq, inbox, out):
 def load_twice(data):
     """Unpickle the same message twice: a replay (or a forged copy) of a named handle."""
     mpr.init_reductions()
-    a, b = pickle.loads(data), pickle.loads(data)
+    arrays = [pickle.loads(data), pickle.loads(data)]
+    assert arrays[0][0] == arrays[1][0]
 
 
 def load_and_report(data, out):

@@ -1,8 +1,8 @@
 """The soak test (issue 12): a pipeline and a Pool under random SIGKILLs, both strategies.
 
 ``_soak_targets.py`` runs as the parent (never killed) for ARRAYMP_SOAK_SECONDS per start method (15 by default,
-half per strategy; ``nox -s soak`` sets 300), under spawn and fork and prints its figures; this test checks them and, once that parent
-has exited, that nothing of its run is left.
+half per strategy; ``nox -s soak`` sets 300), under spawn and under fork, and prints its figures; this test checks
+them and, once that parent has exited, that nothing of its run is left.
 """
 
 import json

@@ -8,7 +8,7 @@ import sys
 
 import shm_core
 import shm_manager
-from conftest import HOLDER, figure, kill, wait_until
+from conftest import HOLDER, figure, kill, segments_of, wait_until
 
 
 def test_a_killed_holder_gives_its_count_back(tmp_path, monkeypatch):

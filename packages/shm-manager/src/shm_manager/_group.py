@@ -205,7 +205,7 @@ def _at_exit() -> None:
     st = _state
     if st.pid != os.getpid() or not st.root:
         return
-    held = _client.held()  # still referenced here at exit (a module-level array): removed, but no leak
+    still_held = _client.held()  # referenced here at exit (a module-level array): removed, but no leak
     held, st.locks = st.locks, {}
     for fd, _rdir in held.values():
         os.close(fd)
@@ -217,7 +217,7 @@ def _at_exit() -> None:
             rdir = locks[shm][1] if shm in locks else _paths.runtime_dir(shm, create=False, group=st.token)
             dfd = _gc.open_dir(shm)
             try:
-                _gc.end_group(st.token, rdir, dfd, held=held)
+                _gc.end_group(st.token, rdir, dfd, held=still_held)
             finally:
                 os.close(dfd)
         except Exception:  # exiting anyway; the next program's sweep removes what is left
