@@ -133,9 +133,10 @@ def test_crash4_sigkill_daemon_then_group_gc_cleans(env, actors):
 
 
 def _foreign_files(d: str) -> list[str]:
-    """Segment-named files of another user (uid 65534), one even named with our uid."""
+    """Segment-named files of another user (uid 65534), one even named with our uid (as root only: a normal user
+    cannot give a file away)."""
     paths = []
-    for uid_in_name in (65534, os.getuid()):
+    for uid_in_name in (65534, os.getuid()) if os.geteuid() == 0 else ():
         name = f"arraymp_{uid_in_name}_gforeign{os.getpid()}_1_{os.urandom(8).hex()}"
         path = os.path.join(d, name)
         with open(path, "wb") as f:

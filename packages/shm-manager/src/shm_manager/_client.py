@@ -204,9 +204,10 @@ def _release_locked(name: str, dir) -> bool:
 
 
 def held() -> set[str]:
-    """The names of the segments this process holds a count of (told with :func:`hold`, not yet released)."""
+    """The names of the segments this process holds a count of (told with :func:`hold`, not yet released), or
+    held until its exit gave them back (_close_connections)."""
     with _lock:
-        return {name for c in _conns.values() for name, n in c.holds.items() if n > 0}
+        return {name for c in _conns.values() for name, n in c.holds.items() if n > 0} | _held_at_exit
 
 
 def flush(timeout: float = 1.0) -> bool:
@@ -363,10 +364,21 @@ def _at_exit() -> None:
     _closing = True  # no daemon is started while the interpreter goes down
 
 
+_held_at_exit: set[str] = set()
+
+
 def _close_connections() -> None:
     """Last at exit, after every finalizer that may release a segment (multiprocessing's run after atexit's
-    hooks, this one after them): send what is left and close the daemon connections, which the daemon reads
-    as this process's end, as after os._exit (no socket is left for the interpreter to warn about)."""
+    hooks, this one after them): give back the counts still held (a normal exit, not a death the daemon would
+    log), send what is left and close the daemon connections, which the daemon reads as this process's end, as
+    after os._exit (no socket is left for the interpreter to warn about)."""
+    with _lock:
+        for c in _conns.values():
+            if c.sock is not None:
+                for name, n in c.holds.items():
+                    c.pending += _frame(b"X", name) * n
+                    _held_at_exit.add(name)
+                c.holds.clear()
     try:
         flush(0.5)
     except Exception:

@@ -66,10 +66,10 @@ stale module state: a parent can pass ``group()`` along and the child call
 
 from __future__ import annotations
 
-import atexit
 import os
 import secrets
 import threading
+from multiprocessing import util
 
 import shm_core
 
@@ -225,4 +225,5 @@ def _at_exit() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-atexit.register(_at_exit)
+# after _client's _close_connections (-100), which gives back what this process still holds
+util.Finalize(None, _at_exit, exitpriority=-200)
