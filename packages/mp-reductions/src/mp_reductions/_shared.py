@@ -669,8 +669,8 @@ def _reopen(seg: shm_core.Segment) -> int:
         fd = os.open(f"/proc/self/map_files/{start:x}-{end:x}", os.O_RDWR | os.O_CLOEXEC)
     except OSError as exc:
         raise OSError(exc.errno, f"cannot send this shared array: this process keeps {fd_budget()} shared-memory "
-                      "descriptors open (a quarter of its open-files limit) and this segment's was closed; "
-                      f"re-opening it from /proc/self/map_files failed ({exc.strerror}; it needs "
+                      "descriptors open (its share of the open-files limit, RLIMIT_NOFILE) and this segment's was "
+                      f"closed; re-opening it from /proc/self/map_files failed ({exc.strerror}; it needs "
                       "CAP_CHECKPOINT_RESTORE or CAP_SYS_ADMIN). Raise the limit (ulimit -n), keep fewer "
                       "large shared arrays alive (small ones share arenas; arraymp.share_memory packs many into "
                       "one segment), or use the 'file_system' sharing strategy, whose segments re-open by name") \
