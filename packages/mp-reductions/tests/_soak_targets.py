@@ -114,7 +114,7 @@ class Run:
         self.ctx = multiprocessing.get_context(method)
         self.group = shm_manager.group()
         self.rng = random.Random(os.getpid())
-        self.figures = dict(strategy=strategy, kills=0, arrays_checked=0, wrong=0, calls=0, hung_calls=0,
+        self.figures = dict(strategy=strategy, method=method, kills=0, arrays_checked=0, wrong=0, calls=0, hung_calls=0,
                             longest_call=0.0, lost_tasks=0, not_arrived=0, produced=0, restarts=0)
         self.pids: set[int] = {os.getpid()}
         self.lock = threading.Lock()

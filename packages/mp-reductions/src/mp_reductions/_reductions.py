@@ -241,7 +241,8 @@ def reduce_ndarray(arr: np.ndarray):
     popen = None if outgoing else mp_context.get_spawning_popen()
     if arr.nbytes == 0 or (found is None and (outgoing and ctx.copy_inline or arr.nbytes < get_inline_threshold()
                                               and not (ctx and ctx.share_all))) \
-            or (not outgoing and popen is None and get_sharing_strategy() == "file_descriptor"):
+            or (not outgoing and popen is None and get_sharing_strategy() == "file_descriptor"
+                and not (found and found[0].name)):
         # small, or shared memory is full (_channel._pickle), or on a channel we do not own whose sender may be
         # gone before the receiver asks for the descriptor (Note [channels we do not own]): a copy in the
         # pickle, as the stdlib sends it
