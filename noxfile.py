@@ -131,8 +131,10 @@ def nonroot(session):
                     session.run(py, "-c", _DROP, user, py, "-m", "pytest", "-p", "no:cacheprovider", "tests",
                                 *session.posargs, env={"PYTHONDONTWRITEBYTECODE": "1"}, external=True)
         finally:
-            _end_user_processes(pwd.getpwnam(user).pw_uid)
+            uid = pwd.getpwnam(user).pw_uid
+            _end_user_processes(uid)
             session.run("userdel", "--remove", user, external=True, success_codes=[0, 12])  # 12: no mail spool
+            shutil.rmtree(f"/dev/shm/.arraymp-{uid}", ignore_errors=True)  # its shm-manager runtime dir
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
