@@ -13,7 +13,7 @@ _recycle.IDLE = float(os.environ["ARRAYMP_RECYCLE_IDLE"])  # this process, alrea
 
 
 def ours():
-    return {n for n in os.listdir("/dev/shm") if n.startswith("arraymp_")}
+    return {n for n in os.listdir(os.environ.get("ARRAYMP_SHM_DIR", "/dev/shm")) if n.startswith("arraymp_")}
 
 
 @pytest.fixture(autouse=True)

@@ -5,7 +5,7 @@ import pytest
 
 
 def _ours():
-    return {n for n in os.listdir("/dev/shm") if n.startswith("arraymp_")}
+    return {n for n in os.listdir(os.environ.get("ARRAYMP_SHM_DIR", "/dev/shm")) if n.startswith("arraymp_")}
 
 
 @pytest.fixture(autouse=True)
