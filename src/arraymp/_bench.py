@@ -303,7 +303,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m arraymp bench") -
                              "4KiB,64KiB,1MiB,16MiB,256MiB)")
     parser.add_argument("--strategy", choices=["file_descriptor", "file_system"], default="file_descriptor",
                         help="arraymp's sharing strategy (the sender's)")
+    parser.add_argument("--overhead", action="store_true",
+                        help="instead: the per-task and per-message cost of Pool, executor and Queue against the "
+                             "stdlib's, under fork, spawn and forkserver (about 2 minutes)")
     args = parser.parse_args(argv)
+    if args.overhead:
+        from ._overhead import main as overhead
+
+        return overhead(repeat=args.repeat)
     import arraymp  # registers our reducer, which _as() removes for the others
 
     arraymp.set_sharing_strategy(args.strategy)

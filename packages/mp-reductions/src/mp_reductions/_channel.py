@@ -25,11 +25,12 @@ import os
 import pickle
 import socket
 import struct
+import threading
 from multiprocessing.reduction import ForkingPickler
 
 import shm_core
 
-from ._reductions import MAX_FDS, CopyMiss, Incoming, Outgoing, tls
+from ._reductions import MAX_FDS, CopyMiss, Incoming, NotPlain, Outgoing, Plain, tls
 
 INLINE = 64 * 1024
 SPIN = int(os.environ.get("ARRAYMP_QUEUE_SPIN", "50"))  # see _queues Note [spin]
@@ -108,20 +109,92 @@ def _pickle(obj, out: Outgoing, head: bytes = b"") -> tuple[Outgoing, memoryview
         return _pickle_once(obj, Outgoing(copy_inline=True), head)
 
 
-def _pickle_once(obj, out: Outgoing, head: bytes) -> tuple[Outgoing, memoryview]:
-    buf = io.BytesIO()
+# Note [reused pickler]: each thread keeps one _Pickler and its BytesIO for the messages it pickles (making
+# them costs more than pickling a small message), its memo cleared after every message (the memo holds the
+# objects it pickled: arrays must not live on in it). A pickle made while the thread's own is in use (a
+# reducer that sends a message of its own) gets a fresh pair; so does one after ForkingPickler's
+# registrations changed. A buffer grown past _REUSE_MAX is dropped with its message.
+_REUSE_MAX = 1 << 20
+
+
+class _Reused(threading.local):
+    key = pickler = buf = None
+    busy = False
+
+
+_reused = _Reused()
+
+
+def _pickle_once(obj, out: Outgoing, head: bytes) -> tuple[Outgoing, bytes | memoryview]:
+    _Pickler.refresh()
+    r = _reused
+    mine = not r.busy
+    if not mine:
+        buf = io.BytesIO()
+        pickler = _Pickler(buf, 4)
+    else:
+        if r.key is not _Pickler._key:
+            r.buf = io.BytesIO()
+            r.pickler, r.key = _Pickler(r.buf, 4), _Pickler._key
+        buf, pickler = r.buf, r.pickler
+        buf.seek(0)
+        buf.truncate()
+        r.busy = True
     buf.write(head)
     saved, tls.ctx = tls.ctx, out
     try:
-        _Pickler.refresh()
-        _Pickler(buf, 4).dump(obj)
+        pickler.dump(obj)
         out.finish()
     except BaseException:
         out.abort()
         raise
     finally:
         tls.ctx = saved
-    return out, buf.getbuffer()
+        pickler.clear_memo()
+        if mine:
+            r.busy = False
+    if mine and buf.tell() > _REUSE_MAX:
+        r.key = None  # a new pair next time: this buffer goes with its message
+        return out, buf.getbuffer()
+    return out, buf.getvalue()
+
+
+# Note [plain messages]: most messages name no shared memory (a Pool's tasks and results, small arrays). A
+# message is first pickled with the stateless Plain context, which takes no descriptor, copy or count and
+# raises NotPlain where an array would need one; only such a message is pickled again with an Outgoing
+# (the first try stops at its first large array, so little is done twice). A plain message holds nothing
+# to give back: its Packet has no Outgoing.
+_PLAIN = Plain()
+
+
+def _plain_pickle(obj, head: bytes) -> bytes | None:
+    """``obj``'s pickle after ``head`` if it names no shared memory and fits one message, else None."""
+    _Pickler.refresh()
+    r = _reused
+    if r.busy or r.key is not _Pickler._key:  # _pickle_once makes the pair
+        try:
+            _, payload = _pickle_once(obj, _PLAIN, head)
+        except NotPlain:
+            return None
+        return payload if len(payload) <= INLINE else None
+    buf, pickler = r.buf, r.pickler  # _pickle_once's work, for the stateless Plain context
+    buf.seek(0)
+    buf.truncate()
+    buf.write(head)
+    r.busy = True
+    saved, tls.ctx = tls.ctx, _PLAIN
+    try:
+        pickler.dump(obj)
+    except NotPlain:
+        return None
+    finally:
+        tls.ctx = saved
+        pickler.clear_memo()
+        r.busy = False
+    if buf.tell() > INLINE:
+        r.key = None  # a new pair next time, should this buffer have grown past _REUSE_MAX
+        return None
+    return buf.getvalue()
 
 
 class Packet:
@@ -134,6 +207,10 @@ class Packet:
 
     def __init__(self, obj=None, *, raw: bytes | None = None, head: bytes = b""):
         if raw is None:
+            payload = _plain_pickle(obj, head)
+            if payload is not None:
+                self.out, self.fds, self.keep, self.buffers = None, (), None, [b"P", payload]
+                return
             out, payload = _pickle(obj, Outgoing(), head)
             if len(payload) > INLINE and out.inlined and not out.copy_inline:
                 # Too big for one socket message: rather than spill the whole
@@ -156,7 +233,8 @@ class Packet:
     def send(self, sock: socket.socket, flags: int = 0) -> None:
         shm_core.send_fds(sock, self.buffers, self.fds, flags)
         self.keep = None
-        self.out.sent()
+        if self.out is not None:
+            self.out.sent()
 
     def send_nowait(self, sock: socket.socket) -> bool:
         """Send unless the socket is full (then False: nothing was sent)."""
@@ -168,7 +246,8 @@ class Packet:
 
     def discard(self) -> None:
         """Never sent: give back what the message held."""
-        self.out.abort()
+        if self.out is not None:
+            self.out.abort()
         self.keep = None
 
 

@@ -109,6 +109,7 @@ import reprlib
 import select
 import signal
 import socket
+import struct
 import termios
 import threading
 import time
@@ -119,11 +120,17 @@ import shm_core
 import shm_manager
 
 from . import _recycle
-from ._channel import INLINE, Packet, check_openable, loads, recv_raw
+from ._channel import INLINE, Packet, _plain_pickle, check_openable, loads, recv_raw
 from ._queues import SimpleQueue
 from ._reductions import MAX_FDS, init_reductions
 
-DEPTH = 2  # tasks sent to a worker's queue and unfinished: the one it runs and the next (Note [lost tasks])
+DEPTH = 2  # messages sent to a worker's queue and unfinished: the one it runs and the next (Note [lost tasks])
+BATCH_MAX = 64  # tasks in one message at most (Note [batches])
+BATCH_TIME = 0.002  # seconds of work a batch of short tasks is made to hold (Note [batches])
+_BATCH_BYTES = INLINE - 4096  # a batch's bodies at most: its head and kind byte fit in the rest of a message
+_RESULT = struct.Struct("<qqd")  # a short result's frame: job, index, seconds its task took (Note [batches])
+_SHORT_MAX = 2048  # bytes of a short result's message at most
+_TRUNCATED = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)  # an int: the enum's & costs microseconds
 GC_INTERVAL = 0.1  # seconds between full collections in a busy worker (one costs ~2.5 ms)
 _IDLE_WAIT = 0.05  # a worker that finds no task within this collects before blocking
 _BACKOFF = (0.01, 1.0)  # first and longest wait before a handler retries what failed
@@ -213,6 +220,8 @@ def _drain(q) -> None:
             _, body, fds = _split(*recv_raw(q._reader._sock, socket.MSG_DONTWAIT))
         except (EOFError, OSError):  # empty (BlockingIOError), or closed
             return
+        if fds is None:  # plain (batches are): it names no shared memory
+            continue
         try:
             loads(body, fds)
         except Exception:  # the worker would have made it the task's error; nobody waits for it now
@@ -232,8 +241,10 @@ def _next_task(reader, waiter, dirty: bool):
     return _split(*reader._recv())
 
 
-def worker(inqueue, outqueue, initializer=None, initargs=(), maxtasks=None, wrap_exception=False, group=None):
-    """The stdlib's pool worker on its own slot's queue, plus the group, the heads and the garbage collections."""
+def worker(inqueue, outqueue, initializer=None, initargs=(), maxtasks=None, wrap_exception=False, group=None,
+           short=None):
+    """The stdlib's pool worker on its own slot's queue, plus the group, the heads, batches, short results
+    (sent on ``short``, Note [batches]) and the garbage collections."""
     if maxtasks is not None and not (isinstance(maxtasks, int) and maxtasks >= 1):
         raise AssertionError(f"Maxtasks {maxtasks!r} is not valid")
     if group is not None:
@@ -242,6 +253,9 @@ def worker(inqueue, outqueue, initializer=None, initargs=(), maxtasks=None, wrap
     out = outqueue._writer._sock
     inqueue._writer.close()
     outqueue._reader.close()
+    if short is not None:
+        short._reader.close()
+        short = short._writer._sock
     waiter = select.poll()
     waiter.register(inqueue._reader.fileno(), select.POLLIN)
     if parent_process() is not None:
@@ -256,6 +270,8 @@ def worker(inqueue, outqueue, initializer=None, initargs=(), maxtasks=None, wrap
                 pass
             raise
     _send(out, _STARTED, os.getpid())
+    gc.collect()
+    gc.freeze()  # what it has now lives as long as it does: collections look at what tasks made only
 
     completed, dirty, last_gc = 0, False, time.monotonic()
     while maxtasks is None or completed < maxtasks:
@@ -267,33 +283,69 @@ def worker(inqueue, outqueue, initializer=None, initargs=(), maxtasks=None, wrap
         if head is None:
             util.debug("worker got sentinel -- exiting")
             break
-
-        func = None
-        try:
-            _, _, func, args, kwds = loads(body, fds)
-            body = None
-            result = (True, func(*args, **kwds))
-        except Exception as e:
-            if wrap_exception and func is not mp_pool._helper_reraises_exception:
-                e = mp_pool.ExceptionWithTraceback(e, e.__traceback__)
-            result = (False, e)
-        try:
-            _send(out, head, result)
-        except Exception as e:
-            wrapped = _encoding_error(e, result[1])
-            util.debug(f"Possible encoding error while sending result: {wrapped}")
-            _send(out, head, (False, wrapped))
-
-        head = body = fds = result = func = args = kwds = None
-        completed += 1
-        now = time.monotonic()
-        if now - last_gc >= GC_INTERVAL:
-            gc.collect()
-            dirty, last_gc = False, time.monotonic()
-        else:
-            dirty = True
+        for (job, i), body, fds in _unbatch(head, body, fds):
+            t0 = time.perf_counter()
+            result = _run(body, fds, wrap_exception)
+            _send_result(out, short, job, i, time.perf_counter() - t0, result)
+            body = fds = result = None
+            completed += 1
+            now = time.monotonic()
+            if now - last_gc >= GC_INTERVAL:
+                gc.collect()
+                dirty, last_gc = False, time.monotonic()
+            else:
+                dirty = True
+        head = body = fds = None
     gc.collect()
     util.debug(f"worker exiting after {completed} tasks")
+
+
+def _send_result(out, short, job, i, seconds: float, result: tuple) -> None:
+    """Send one task's result: on ``short`` framed by _RESULT if it is plain and small, else on ``out`` with the
+    head (job, i, seconds) (Note [batches])."""
+    try:
+        if short is not None and type(job) is int and type(i) is int:
+            payload = _plain_pickle(result, b"")
+            if payload is not None and len(payload) <= _SHORT_MAX - _RESULT.size:
+                short.sendmsg([_RESULT.pack(job, i, seconds), payload])
+                return
+        _send(out, (job, i, seconds), result)
+    except Exception as e:
+        wrapped = _encoding_error(e, result[1])
+        util.debug(f"Possible encoding error while sending result: {wrapped}")
+        _send(out, (job, i, seconds), (False, wrapped))
+
+
+def _run(body, fds, wrap_exception: bool) -> tuple:
+    """One task's result, ``(True, value)`` or ``(False, exception)``, as the stdlib's worker makes it."""
+    func = None
+    try:
+        _, _, func, args, kwds = loads(body, fds)
+        body = None
+        return True, func(*args, **kwds)
+    except Exception as e:
+        if wrap_exception and func is not mp_pool._helper_reraises_exception:
+            e = mp_pool.ExceptionWithTraceback(e, e.__traceback__)
+        return False, e
+
+
+def _unbatch(head, body, fds):
+    """The tasks of one message as ((job, i), body, fds): a batch's one by one (Note [batches])."""
+    if type(head) is not list:
+        yield head, body, fds
+        return
+    start = 0
+    for task, n in head:
+        yield task, body[start:start + n], None
+        start += n
+
+
+def _message(items: list[tuple]) -> list:
+    """The buffers of one message holding the plain tasks ``items`` ((job, i), None, pickle): one with its head
+    (job, i), or a batch, whose head is ``[((job, i), length of its pickle), ...]`` (Note [batches])."""
+    if len(items) == 1:
+        return [b"P", pickle.dumps(items[0][0]), items[0][2]]
+    return [b"P", pickle.dumps([(task, len(body)) for task, _, body in items]), *[body for _, _, body in items]]
 
 
 def _encoding_error(exc: Exception, value) -> mp_pool.MaybeEncodingError:
@@ -322,25 +374,35 @@ class _Slots:
     Passed where the stdlib passes the inqueue; ``put`` is the task handler's ``put``.
     """
 
-    def __init__(self, processes: int, cache):
+    def __init__(self, processes: int, cache, batches: bool = True):
         self.cache = cache
-        self.cond = threading.Condition(threading.Lock())
+        self.lock = threading.Lock()  # taken directly where no one waits: a Condition's with costs more
+        self.cond = threading.Condition(self.lock)
         self.queues = [SimpleQueue() for _ in range(processes)]
+        self.short = SimpleQueue()  # the workers' short results (Note [batches])
         self.workers: list = [None] * processes  # the Process serving each slot, None while it has none
-        self.sent = [collections.deque() for _ in range(processes)]  # unfinished ((job, i), bytes), in order
+        # per slot, its unfinished messages in the order sent: [the (job, i)s not finished yet, bytes, its ready
+        # entries (a batch's, to send again those a dead worker never started: Note [batches])]
+        self.sent: list[collections.deque] = [collections.deque() for _ in range(processes)]
         self.owner: dict[tuple, int] = {}  # unfinished (job, i) -> its slot
-        self.deaths: list[tuple] = []  # (slot, pid, exitcode, the (job, i)s it took), to settle
-        self.ready: collections.deque = collections.deque()  # ((job, i), Packet): pickled, sent as slots have room
-        self.ready_max = DEPTH * processes
+        self.deaths: list[tuple] = []  # (slot, pid, exitcode, the messages it took), to settle
+        # pickled tasks, sent as slots have room: ((job, i), None, its pickle) if plain (Note [plain messages] in
+        # _channel), else ((job, i), its Packet, None); their weight is 1 for a plain one, BATCH_MAX for one holding
+        # shared memory (Note [batches])
+        self.ready: collections.deque = collections.deque()
+        self.weight, self.ready_max, self.waiting = 0, DEPTH * BATCH_MAX * processes, False
+        self.batches = batches  # False: one task per message (workers that retire after maxtasksperchild)
+        self.per_task: float | None = None  # seconds a task takes in a worker, as workers report (Note [batches])
+        self.n = 1  # tasks a batch is made of: about BATCH_TIME of work
         self.failed: list[tuple] = []  # (job, i, error): a task that could not be sent
         self.closed = self.stopped = False
         self.broken: WorkerStartError | None = None  # set once workers keep failing to start (Note [start failures])
 
     def put(self, task) -> None:
         """Pickle ``task`` and add it to the ready ones (sent at once if a slot has room, else by the result
-        handler as soon as one does), waiting while ``ready_max`` are; None: stop every worker."""
+        handler as soon as one does), waiting while they weigh ``ready_max``; None: stop every worker."""
         if task is None:
-            with self.cond:
+            with self.lock:
                 if not (self.stopped or self.closed):
                     self.stopped = True
                     for q in self.queues:
@@ -351,47 +413,80 @@ class _Slots:
             self.failed.append((job, i, self.broken))
             self.settle_failed()
             return
-        packet = Packet(task, head=pickle.dumps((job, i)))  # may raise: the stdlib makes it the task's error
-        with self.cond:
-            while not self.closed and len(self.ready) >= self.ready_max:
+        body = _plain_pickle(task, b"")  # may raise: the stdlib makes it the task's error
+        packet = Packet(task, head=pickle.dumps((job, i))) if body is None else None
+        weight = 1 if packet is None else BATCH_MAX
+        with self.lock:
+            while not self.closed and self.weight >= self.ready_max:
+                self.waiting = True
                 self.cond.wait()
             if self.closed:
-                packet.discard()
+                if packet is not None:
+                    packet.discard()
                 return
-            self.ready.append(((job, i), packet))
-            self._send_ready()
+            self.ready.append(((job, i), packet, body))
+            self.weight += weight
+            if min(map(len, self.sent)) < DEPTH:  # else no slot takes it now
+                self._send_ready()
         self.settle_failed()
 
     def _send_ready(self) -> None:
-        """Send ready tasks to the slots holding fewest unfinished ones while they hold fewer than DEPTH (the
-        lock held); with none ready, move to a slot holding none a task queued behind a running one."""
+        """Send ready tasks to the slots holding fewest unfinished messages while they hold fewer than DEPTH (the
+        lock held): to a slot whose worker is busy, short tasks only once a whole batch is ready (Note
+        [batches]); with none ready, move to a slot holding none a message queued behind a running one."""
         while True:
-            k = min(range(len(self.sent)), key=lambda k: len(self.sent[k]))
+            lengths = list(map(len, self.sent))
+            k = lengths.index(min(lengths))
             if not self.ready:
                 if not self.sent[k]:
                     self._take_back(k)
                 return
             if len(self.sent[k]) >= DEPTH:
                 return
-            (job, i), packet = self.ready.popleft()
-            if len(self.ready) == self.ready_max // 2:
+            items = self._take_batch(min(self.n, -(-len(self.ready) // len(self.queues))))
+            if self.waiting and self.weight <= self.ready_max // 2:
+                self.waiting = False
                 self.cond.notify()  # the task handler pickles the next ones in a burst, not one by one
-            size = sum(memoryview(b).nbytes for b in packet.buffers)
-            try:
-                packet.send(self.queues[k]._writer._sock)  # never blocks: the queue holds DEPTH tasks at most
+            packet = items[0][1]
+            buffers = _message(items) if packet is None else packet.buffers
+            try:  # never blocks: the queue holds DEPTH messages
+                if packet is None:
+                    shm_core.send_fds(self.queues[k]._writer._sock, buffers)
+                else:
+                    packet.send(self.queues[k]._writer._sock)
             except Exception as e:
-                packet.discard()
-                self.failed.append((job, i, e))
+                if packet is not None:
+                    packet.discard()
+                self.failed.extend((*task, e) for task, _, _ in items)
                 continue
-            self.sent[k].append(((job, i), size))
-            self.owner[job, i] = k
+            size = sum(memoryview(b).nbytes for b in buffers)
+            tasks = collections.deque(task for task, _, _ in items)
+            self.sent[k].append([tasks, size, items])
+            for task in tasks:
+                self.owner[task] = k
+
+    def _take_batch(self, n: int) -> list[tuple]:
+        """The ready tasks for the next message (the lock held): one holding shared memory, or up to ``n``
+        plain ones."""
+        first = self.ready.popleft()
+        if first[1] is not None:
+            self.weight -= BATCH_MAX
+            return [first]
+        items, size = [first], len(first[2])
+        while len(items) < n and self.ready and self.ready[0][1] is None:
+            size += len(self.ready[0][2])
+            if size > _BATCH_BYTES:
+                break
+            items.append(self.ready.popleft())
+        self.weight -= len(items)
+        return items
 
     def settle_failed(self) -> None:
         """Fail the tasks that could not be sent with their error (the stdlib's task handler does so too). Each
         thread that sends calls this after sending: it sees its own failures without the lock."""
         if not self.failed:
             return
-        with self.cond:
+        with self.lock:
             failed, self.failed = self.failed, []
         for job, i, e in failed:
             result = self.cache.get(job)
@@ -399,7 +494,7 @@ class _Slots:
                 result._set(i, (False, e))
 
     def _take_back(self, k: int) -> None:
-        """Move to slot ``k`` a task not taken yet queued behind a running one (the lock held)."""
+        """Move to slot ``k`` a message not taken yet queued behind a running one (the lock held)."""
         for w, sent in enumerate(self.sent):
             if len(sent) < 2 or _queued_bytes(self.queues[w]) != sent[-1][1]:
                 continue  # only the last one queued: the others taken
@@ -408,53 +503,101 @@ class _Slots:
                                                  socket.MSG_DONTWAIT)
             except OSError:  # its worker took it (BlockingIOError), or no descriptor free: it stays
                 continue
-            task = sent.pop()
+            message = sent.pop()
             try:
                 shm_core.send_fds(self.queues[k]._writer._sock, [data], fds)  # unchanged, counts and all
             except OSError as e:
-                del self.owner[task[0]]
-                self.failed.append((*task[0], e))
+                for task in message[0]:
+                    del self.owner[task]
+                    self.failed.append((*task, e))
                 continue
             finally:
                 for fd in fds:
                     os.close(fd)
-            self.sent[k].append(task)
-            self.owner[task[0]] = k
+            self.sent[k].append(message)
+            for task in message[0]:
+                self.owner[task] = k
             return
 
-    def finished(self, job, i, k: int | None = None) -> bool:
-        """Mark (job, i) finished if it is unfinished (and in slot ``k`` if given); False if it was not."""
-        with self.cond:
-            k2 = self.owner.get((job, i))
-            if k2 is None or (k is not None and k2 != k):
-                return False
-            del self.owner[job, i]
-            sent = self.sent[k2]
-            if sent[0][0] == (job, i):  # a worker takes its tasks in order: the common case
-                sent.popleft()
+    def _finish(self, task, k: int | None) -> bool | None:
+        """Mark ``task`` finished if it is unfinished (and in slot ``k`` if given): whether that finished its
+        message, None if it was not unfinished (the lock held; the caller sends ready tasks after)."""
+        k2 = self.owner.get(task)
+        if k2 is None or (k is not None and k2 != k):
+            return None
+        del self.owner[task]
+        sent = self.sent[k2]
+        for n, (tasks, _, _) in enumerate(sent):  # a worker runs its tasks in order: the first, as a rule
+            if tasks[0] == task:
+                tasks.popleft()
+            elif task in tasks:
+                tasks.remove(task)
             else:
-                self.sent[k2] = collections.deque(t for t in sent if t[0] != (job, i))
-            self._send_ready()
+                continue
+            if tasks:
+                return False
+            del sent[n]
             return True
+        raise AssertionError(f"task {task} owned by slot {k2} is in none of its messages")
+
+    def results(self, done: list[tuple]) -> list[bool]:
+        """Mark the tasks whose results came finished, ``done`` holding ((job, i), seconds its worker says it
+        took) each (Note [batches]): for each, whether it was unfinished (else it was settled already)."""
+        with self.lock:
+            known, room, per_task = [], False, self.per_task
+            for task, seconds in done:
+                finished = self._finish(task, None)
+                known.append(finished is not None)
+                room = room or bool(finished)
+                if finished is not None and type(seconds) is float:
+                    per_task = seconds if per_task is None else 0.75 * per_task + 0.25 * seconds
+            if self.batches and per_task is not None:
+                self.per_task = per_task
+                self.n = max(1, min(BATCH_MAX, int(BATCH_TIME / max(per_task, 1e-9))))
+            if room:  # a message finished: its slot has room
+                self._send_ready()
+            return known
 
     def exited(self, w) -> None:
-        """Record the death of ``w`` (reaped) with the tasks it took (Note [lost tasks])."""
-        with self.cond:
+        """Record the death of ``w`` (reaped) with the messages it took (Note [lost tasks])."""
+        with self.lock:
             k = self.workers.index(w)
             self.workers[k] = None
             taken, queued, left = list(self.sent[k]), 0, _queued_bytes(self.queues[k])
             while taken and queued + taken[-1][1] <= left:  # the queued ones are the last sent
                 queued += taken.pop()[1]
-            self.deaths.append((k, w.pid, w.exitcode, [task for task, _ in taken]))
+            self.deaths.append((k, w.pid, w.exitcode, taken))
+
+    def lost(self, k: int, taken: list) -> tuple | None:
+        """Settle the death of slot ``k``'s worker, which took the messages ``taken``, once every result it sent
+        is read: the task it was running (its first unfinished one) is lost, and returned; those after it in
+        its batch, never started, are ready again, first in line (Note [batches])."""
+        with self.lock:
+            items = {item[0]: item for message in taken for item in message[2]}
+            unfinished = [task for message in taken for task in message[0]]
+            running, again = None, []
+            for task in unfinished:
+                if self._finish(task, k) is None:
+                    continue
+                if running is None:
+                    running = task
+                elif not self.closed:
+                    again.append(items[task])
+            self.ready.extendleft(reversed(again))
+            self.weight += len(again)
+            self._send_ready()
+            return running
 
     def break_(self, error: WorkerStartError) -> None:
         """Workers keep failing to start: fail every unfinished task and every later one with ``error``."""
-        with self.cond:
+        with self.lock:
             self.broken = error
             while self.ready:
-                (job, i), packet = self.ready.popleft()
-                packet.discard()
+                (job, i), packet, _ = self.ready.popleft()
+                if packet is not None:
+                    packet.discard()
                 self.failed.append((job, i, error))
+            self.weight = 0
             for (job, i) in list(self.owner):
                 del self.owner[job, i]
                 self.failed.append((job, i, error))
@@ -467,16 +610,19 @@ class _Slots:
         records one, so one missed here is read at its next wake)."""
         if not self.deaths:
             return []
-        with self.cond:
+        with self.lock:
             deaths, self.deaths = self.deaths, []
             return deaths
 
     def close(self) -> None:
         """No more tasks: discard the ready ones, and wake the task handler, which discards the one it holds."""
-        with self.cond:
+        with self.lock:
             self.closed = True
             while self.ready:
-                self.ready.popleft()[1].discard()
+                packet = self.ready.popleft()[1]
+                if packet is not None:
+                    packet.discard()
+            self.weight = 0
             self.cond.notify_all()
 
     def drain(self) -> None:
@@ -559,7 +705,8 @@ class Pool(mp_pool.Pool):
         return t
 
     def _setup_queues(self):
-        self._inqueue = _Slots(self._processes, self._cache)  # the stdlib's name: every handler gets it as its inqueue
+        # the stdlib's name: every handler gets it as its inqueue
+        self._inqueue = _Slots(self._processes, self._cache, batches=self._maxtasksperchild is None)
         self._outqueue = SimpleQueue()
         self._quick_put = self._inqueue.put
 
@@ -591,7 +738,7 @@ class Pool(mp_pool.Pool):
             if w is not None:
                 continue
             w = Process(ctx, target=worker, args=(inqueue.queues[k], outqueue, initializer, initargs,
-                                                  maxtasksperchild, wrap_exception, group))
+                                                  maxtasksperchild, wrap_exception, group, inqueue.short))
             w.name = w.name.replace("Process", "PoolWorker")
             w.daemon = True
             w.start()
@@ -659,8 +806,10 @@ class Pool(mp_pool.Pool):
                 pid, error = loads(body, fds)
                 start_errors[pid] = error
                 return
-            job, i = head
-            known = slots.finished(job, i)
+            job, i, seconds = head
+            deliver(job, i, slots.results([((job, i), seconds)])[0], body, fds)
+
+        def deliver(job, i, known: bool, body, fds) -> None:
             try:
                 obj = loads(body, fds)  # even if unknown: gives back the shared memory it names
                 if not (isinstance(obj, tuple) and len(obj) == 2):
@@ -671,14 +820,40 @@ class Pool(mp_pool.Pool):
             if result is not None:
                 result._set(i, obj)
 
+        short, frames = slots.short._reader._sock, memoryview(bytearray(64 * _SHORT_MAX))
+        waiter = select.poll()
+        for fd in (reader.fileno(), short.fileno()):
+            waiter.register(fd, select.POLLIN)
+
+        def read_short() -> None:
+            """Deliver every short result queued now (Note [batches])."""
+            while True:
+                got = shm_core.recv_many(short, frames, _SHORT_MAX, socket.MSG_DONTWAIT)
+                done = []
+                for k, (n, flags) in enumerate(got):
+                    if flags & _TRUNCATED or n < _RESULT.size:
+                        log.error("the pool's result handler dropped a malformed short result (%d bytes, flags %#x)",
+                                  n, flags)
+                        continue
+                    job, i, seconds = _RESULT.unpack_from(frames, k * _SHORT_MAX)
+                    done.append(((job, i), seconds, k * _SHORT_MAX + _RESULT.size, k * _SHORT_MAX + n))
+                for ((job, i), _, start, end), known in zip(done, slots.results([d[:2] for d in done])):
+                    try:
+                        deliver(job, i, known, frames[start:end], None)
+                    except Exception:  # a callback raised: the stdlib's would die
+                        log.exception("the pool's result handler could not deliver a result")
+                if len(got) < 64:
+                    return
+
         pending = collections.deque()  # a result taken but not opened yet (_channel Note [opening named segments])
         while thread._state != mp_pool.TERMINATE and not (stopping and not cache):
             if delay is None:
-                reader.poll(None)  # results, the stop sentinel, and the worker handler's nudges wake it
+                waiter.poll()  # results, the stop sentinel, and the worker handler's nudges wake it
             else:
                 time.sleep(delay)
             deaths += slots.take_deaths()
             try:
+                read_short()  # then every message on the outqueue: each death is settled after all its results
                 while True:
                     try:
                         msg = pending.popleft() if pending else _split(*recv_raw(reader._sock, socket.MSG_DONTWAIT))
@@ -712,10 +887,10 @@ class Pool(mp_pool.Pool):
                         error.__cause__ = start_errors.get(pid)
                         slots.break_(error)
                 start_errors.pop(pid, None)
-                for job, i in took:
-                    result = cache.get(job) if slots.finished(job, i, k) else None
-                    if result is not None:
-                        result._set(i, (False, WorkerLostError(pid, exitcode, i, _kind(result))))
+                running = slots.lost(k, took)
+                result = cache.get(running[0]) if running else None
+                if result is not None:
+                    result._set(running[1], (False, WorkerLostError(pid, exitcode, running[1], _kind(result))))
             deaths = []
             slots.settle_failed()
         util.debug(f"result handler exiting: len(cache)={len(cache)}, thread._state={thread._state}")

@@ -167,6 +167,32 @@ class Outgoing:
         self.fds.clear()
 
 
+class NotPlain(Exception):
+    """Raised by ``Plain``'s references: the message names shared memory; pickle it with an ``Outgoing``."""
+
+
+class Plain(Outgoing):
+    """The context of a first, cheap try at pickling a message (_channel Note [plain messages]): stateless
+    (one for every thread), it lets small arrays go inline and raises NotPlain, before taking anything, where
+    an array would need a descriptor, a copy segment or a count."""
+
+    share_all = copy_inline = False
+    inlined = property(lambda self: 0, lambda self, value: None)
+
+    def __init__(self):
+        pass
+
+    def fd_ref(self, *args):
+        raise NotPlain
+
+    named_ref = copy_ref = block_ref = fd_ref
+
+    def finish(self) -> None:
+        pass
+
+    sent = abort = finish
+
+
 class CopyMiss(Exception):
     """The pooled segment chosen at a message's first copy is too small for all its copies: pickle the
     message again with ``Outgoing(pooled=False)`` (a new segment of the exact size)."""

@@ -11,7 +11,7 @@ import sys
 if not sys.platform.startswith("linux"):  # pragma: no cover
     raise ImportError(f"shm-core supports Linux only (memfd, tmpfs, futex); this is {sys.platform}")
 
-from ._fds import check_headroom, recv_fds, send_fds
+from ._fds import check_headroom, recv_fds, recv_many, send_fds
 from ._native import Mapping, address
 from ._segment import (
     DEFAULT_PREFIX,
@@ -52,6 +52,7 @@ __all__ = [
     "create_anonymous",
     "parse_name",
     "recv_fds",
+    "recv_many",
     "segment_name",
     "send_fds",
     "shm_dir",

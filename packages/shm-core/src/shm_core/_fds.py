@@ -15,6 +15,8 @@ import os
 import resource
 import socket
 
+from . import _native
+
 _FD_SIZE = array.array("i").itemsize
 
 # Note [descriptor headroom]: the kernel installs a message's descriptors in
@@ -106,6 +108,14 @@ def recv_fds(sock: socket.socket, bufsize: int, maxfds: int, flags: int = 0) -> 
             raise OSError(f"message dropped: larger than this channel's messages ({bufsize} bytes, {maxfds} "
                           f"descriptors); only arraymp's own senders may write to it")
         return data, fds, msg_flags
+
+
+def recv_many(sock: socket.socket, buffer, size: int, flags: int = 0) -> list[tuple[int, int]]:
+    """Up to ``len(buffer) // size`` (64 at most) messages of ``sock`` in one system call (recvmmsg), the k-th
+    in ``buffer[k * size:]``: their ``(length, msg_flags)``; [] when none is queued and ``flags`` hold
+    MSG_DONTWAIT. No descriptors are received: a message that brought some has MSG_CTRUNC set (the kernel
+    closed them), one longer than ``size`` has MSG_TRUNC set; the caller drops both."""
+    return _native.recv_many(sock.fileno(), buffer, size, int(flags))
 
 
 def check_headroom(fd: int, n: int, what: str) -> None:

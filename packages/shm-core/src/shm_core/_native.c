@@ -14,6 +14,9 @@
  *     close() with live exports raises BufferError as mmap does.
  *   - atomics on 64-bit words inside a Mapping (sequentially consistent).
  *
+ * recv_many wraps recvmmsg (which Python's socket module lacks): several
+ * datagrams of a socket in one system call, for readers of many small messages.
+ *
  * No policy lives here: names, headers, validation and errors with remedies
  * are in shm_core/_segment.py.
  */
@@ -27,6 +30,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -506,7 +510,66 @@ native_address(PyObject *mod, PyObject *obj)
     return res;
 }
 
+#define RECV_MANY_MAX 64
+
+/* recv_many(fd, buffer, size, flags) -> [(length, msg_flags), ...]: up to len(buffer) // size (at most
+ * RECV_MANY_MAX) messages, the k-th into buffer[k * size:], without ancillary data (descriptors sent along
+ * are dropped by the kernel, MSG_CTRUNC set); [] when none is queued and flags hold MSG_DONTWAIT. */
+static PyObject *
+native_recv_many(PyObject *mod, PyObject *args)
+{
+    int fd, flags, n, i;
+    Py_ssize_t size;
+    Py_buffer buf;
+    struct mmsghdr msgs[RECV_MANY_MAX];
+    struct iovec iov[RECV_MANY_MAX];
+    PyObject *res;
+    if (!PyArg_ParseTuple(args, "iw*ni", &fd, &buf, &size, &flags))
+        return NULL;
+    if (size <= 0 || size > buf.len) {
+        PyBuffer_Release(&buf);
+        PyErr_SetString(PyExc_ValueError, "size must be positive and at most the buffer's length");
+        return NULL;
+    }
+    n = (int)(buf.len / size < RECV_MANY_MAX ? buf.len / size : RECV_MANY_MAX);
+    memset(msgs, 0, sizeof(msgs[0]) * n);
+    for (i = 0; i < n; i++) {
+        iov[i].iov_base = (char *)buf.buf + i * size;
+        iov[i].iov_len = (size_t)size;
+        msgs[i].msg_hdr.msg_iov = &iov[i];
+        msgs[i].msg_hdr.msg_iovlen = 1;
+    }
+    do {
+        Py_BEGIN_ALLOW_THREADS
+        n = recvmmsg(fd, msgs, (unsigned int)n, flags, NULL);
+        Py_END_ALLOW_THREADS
+    } while (n < 0 && errno == EINTR && !PyErr_CheckSignals());
+    PyBuffer_Release(&buf);
+    if (n < 0) {
+        if (PyErr_Occurred())
+            return NULL;
+        if (errno == EAGAIN || errno == EWOULDBLOCK)
+            return PyList_New(0);
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    res = PyList_New(n);
+    if (res == NULL)
+        return NULL;
+    for (i = 0; i < n; i++) {
+        PyObject *item = Py_BuildValue("(ni)", (Py_ssize_t)msgs[i].msg_len, msgs[i].msg_hdr.msg_flags);
+        if (item == NULL) {
+            Py_DECREF(res);
+            return NULL;
+        }
+        PyList_SET_ITEM(res, i, item);
+    }
+    return res;
+}
+
 static PyMethodDef native_methods[] = {
+    {"recv_many", native_recv_many, METH_VARARGS,
+     "recv_many(fd, buffer, size, flags) -> [(length, msg_flags), ...]: recvmmsg, message k in "
+     "buffer[k * size:], no ancillary data."},
     {"address", native_address, METH_O,
      "address(buffer) -> address of its first byte (any strides, any dtype)."},
     {"memfd_create", native_memfd_create, METH_VARARGS,

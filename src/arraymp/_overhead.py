@@ -1,0 +1,165 @@
+"""Per-task and per-message cost: arraymp against the stdlib, in one run, under each start method.
+
+Tasks that do nothing (``abs(i)``, ``pow(i, 2)``) on 2 workers, so what is timed is the pool's own work:
+
+  imap, imap_unordered   list(pool.imap(abs, range(N)))             one task per item
+  apply_async            N x apply_async(abs, (i,)), then every get()
+  map, starmap           pool.map(abs, range(N)), pool.starmap(pow, ...)   default chunks
+  map x20                pool.map(abs, range(20 N))
+  submit                 N x ProcessPoolExecutor.submit(abs, i), then every result()
+
+and messages between two processes:
+
+  ping-pong Queue        a 16-element array there and back over two Queues, against a raw
+                         Connection.send_bytes ping-pong of the same bytes (the floor)
+  handles / 4 KiB        a stream of shared arrays' handles through a Queue, against the stdlib's
+                         Queue pickling a 4 KiB array (messages per second)
+
+Both pools live side by side and alternate within each repeat; medians of the repeats are printed
+with their ratio (< 1: arraymp takes less time).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import statistics
+import time
+from concurrent.futures import ProcessPoolExecutor as StdlibExecutor
+
+import numpy as np
+
+METHODS = ("fork", "spawn", "forkserver")
+
+POOL = {
+    "imap": lambda pool, n: list(pool.imap(abs, range(n))),
+    "imap_unordered": lambda pool, n: list(pool.imap_unordered(abs, range(n))),
+    "apply_async": lambda pool, n: [r.get() for r in [pool.apply_async(abs, (i,)) for i in range(n)]],
+    "map": lambda pool, n: pool.map(abs, range(n)),
+    "starmap": lambda pool, n: pool.starmap(pow, [(i, 2) for i in range(n)]),
+    "map x20": lambda pool, n: pool.map(abs, range(20 * n)),
+}
+
+
+def _submit(executor, n: int):
+    return [f.result() for f in [executor.submit(abs, i) for i in range(n)]]
+
+
+def _timed(run, *args) -> float:
+    t0 = time.perf_counter()
+    run(*args)
+    return time.perf_counter() - t0
+
+
+def tasks(method: str, n: int, repeat: int, workers: int) -> dict[str, tuple[float, float]]:
+    """{workload: (stdlib seconds, arraymp seconds)}, medians of ``repeat`` alternating runs."""
+    import arraymp
+
+    std, ours = multiprocessing.get_context(method), arraymp.get_context(method)
+    times: dict[str, tuple[list, list]] = {}
+    with std.Pool(workers) as a, ours.Pool(workers) as b:
+        for name, run in POOL.items():
+            run(a, n), run(b, n)  # warm-up: workers started, imports done
+            for _ in range(repeat):
+                pair = times.setdefault(name, ([], []))
+                pair[0].append(_timed(run, a, n))
+                pair[1].append(_timed(run, b, n))
+    with StdlibExecutor(workers, mp_context=std) as a, arraymp.ProcessPoolExecutor(workers, mp_context=ours) as b:
+        _submit(a, n), _submit(b, n)
+        for _ in range(repeat):
+            pair = times.setdefault("submit", ([], []))
+            pair[0].append(_timed(_submit, a, n))
+            pair[1].append(_timed(_submit, b, n))
+    return {k: (statistics.median(s), statistics.median(o)) for k, (s, o) in times.items()}
+
+
+def _echo(kind: str, inbox, outbox, n: int) -> None:
+    """The other end: ``n`` messages back (``pingpong``), or taken and counted (``stream``), then a time."""
+    if kind == "bytes":
+        for _ in range(n):
+            outbox.send_bytes(inbox.recv_bytes())
+        return
+    for _ in range(n):
+        a = inbox.get()
+        if kind == "pingpong":
+            outbox.put(a)
+    if kind == "stream":
+        outbox.put(time.perf_counter())
+
+
+def _partner(ctx, kind, inbox, outbox, n):
+    p = ctx.Process(target=_echo, args=(kind, inbox, outbox, n))
+    p.start()
+    return p
+
+
+def messages(method: str, n: int, repeat: int) -> dict[str, tuple[float, float]]:
+    """{row: (floor, arraymp)}: ping-pong seconds per round trip, and stream messages per second."""
+    import arraymp
+
+    from ._bench import _as
+
+    std, ours = multiprocessing.get_context(method), arraymp.get_context(method)
+    a16, a4k, shared = np.arange(16.0), np.ones(512), arraymp.share_memory(np.ones(512))
+    out: dict[str, tuple[list, list]] = {}
+    for _ in range(repeat):
+        # the floor: the same 128 bytes over a raw Connection
+        left, right = std.Pipe()
+        p = _partner(std, "bytes", right, right, n)
+        data = a16.tobytes()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            left.send_bytes(data)
+            left.recv_bytes()
+        floor = (time.perf_counter() - t0) / n
+        p.join()
+        q1, q2 = ours.Queue(), ours.Queue()
+        p = _partner(ours, "pingpong", q1, q2, n)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            q1.put(a16)
+            q2.get()
+        trip = (time.perf_counter() - t0) / n
+        p.join()
+        pair = out.setdefault("ping-pong Queue (us)", ([], []))
+        pair[0].append(floor * 1e6)
+        pair[1].append(trip * 1e6)
+
+        rates = []
+        for ctx, payload in ((std, a4k), (ours, shared)):
+            with _as("stdlib" if ctx is std else "arraymp"):
+                q, done = ctx.Queue(), ctx.Queue()
+                p = _partner(ctx, "stream", q, done, n)
+                q.put(payload)  # the partner has started once the first is read
+                t0 = time.perf_counter()
+                for _ in range(n - 1):
+                    q.put(payload)
+                rates.append((n - 1) / (done.get() - t0))
+                p.join()
+        pair = out.setdefault("handles/s vs 4 KiB pickled/s", ([], []))
+        pair[0].append(rates[0])
+        pair[1].append(rates[1])
+    return {k: (statistics.median(s), statistics.median(o)) for k, (s, o) in out.items()}
+
+
+def main(n: int = 5000, repeat: int = 3, workers: int = 2, methods=METHODS) -> int:
+    print(f"per-task cost: {workers} workers, N = {n} tiny tasks, median of {repeat}; ratio = arraymp / stdlib "
+          "(time: < 1 is faster)")
+    print("| workload | " + " | ".join(f"{m}: stdlib s | arraymp s | ratio" for m in methods) + " |")
+    print("|---|" + "---|---|---|" * len(methods))
+    rows: dict[str, list[str]] = {}
+    msgs: dict[str, list[str]] = {}
+    for method in methods:
+        for name, (s, o) in tasks(method, n, repeat, workers).items():
+            rows.setdefault(name, []).append(f"{s:.3f} | {o:.3f} | {o / s:.2f}")
+        for name, (s, o) in messages(method, 2000, repeat).items():
+            msgs.setdefault(name, []).append(f"{s:.0f} | {o:.0f} | {o / s:.2f}")
+    for name, cells in rows.items():
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    print("\nmessages: ping-pong of a 16-element array, arraymp Queue against a raw Connection (us per round trip: "
+          "target ratio <= 2); a shared array's handle through arraymp's Queue against a 4 KiB array through the "
+          "stdlib's (messages/s: target ratio >= 1)")
+    print("| row | " + " | ".join(f"{m}: floor | arraymp | ratio" for m in methods) + " |")
+    print("|---|" + "---|---|---|" * len(methods))
+    for name, cells in msgs.items():
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    return 0
