@@ -202,6 +202,62 @@ class PoolSuite:
             pool.close()
             assert_prompt(pool.join)
 
+    def test_short_tasks_travel_in_batches_long_ones_alone(self, ctx):
+        # Note [batches]: tasks a worker runs in microseconds go several to a message; tasks of 20 ms, one each
+        with mpr.Pool(2, context=ctx) as pool:
+            assert pool.map(T.square, range(3000), chunksize=1) == [x * x for x in range(3000)]
+            assert pool._inqueue.n > 1, "short tasks were sent one per message"
+            assert pool.map(T.nap, [0.02] * 10, chunksize=1) == [0.02] * 10
+            assert pool._inqueue.n == 1, "20 ms tasks were batched"
+            assert sorted(pool.imap_unordered(T.square, range(3000))) == [x * x for x in range(3000)]
+
+    def test_results_either_side_of_the_short_limit(self, ctx):
+        # results whose pickle fits a short frame go on the short socket, others on the outqueue: all arrive,
+        # each to its own task, whatever the mix
+        sizes = [n for n in range(1900, 2100, 7)] * 3
+        with mpr.Pool(2, context=ctx) as pool:
+            got = pool.map(T.sized, sizes, chunksize=1)
+            assert got == [(n, b"x" * n) for n in sizes]
+            rs = [pool.apply_async(T.sized, (n,)) for n in sizes]
+            assert [r.get(TIMEOUT) for r in rs] == [(n, b"x" * n) for n in sizes]
+
+    def test_a_killed_workers_unstarted_batch_runs_elsewhere(self, ctx, tmp_path):
+        # a worker killed in the middle of a batch fails the task it ran; the rest of its batch, never started,
+        # runs on the other worker or the replacement (Note [batches]), exactly once
+        def followers(pool, i):
+            with pool._inqueue.lock:  # the tasks queued after task i in its message
+                for sent in pool._inqueue.sent:
+                    for tasks, _, _ in sent:
+                        ids = [t[1] for t in tasks]
+                        if i in ids:
+                            return len(ids) - ids.index(i) - 1
+            return 0
+
+        exercised = 0
+        for attempt in range(5):
+            path = str(tmp_path / f"pid{attempt}")
+            with mpr.Pool(2, context=ctx) as pool:
+                pool.map(T.square, range(3000), chunksize=1)  # short tasks: batches of many
+                it = pool.imap(T.slow_square_or_block, [(x, path, 500) for x in range(2000)])
+                deadline = time.monotonic() + TIMEOUT
+                while not os.path.exists(path):
+                    assert time.monotonic() < deadline, "task 500 never started"
+                    time.sleep(0.005)
+                victim = int(open(path).read())
+                exercised += followers(pool, 500) > 0
+                os.kill(victim, signal.SIGKILL)
+                got, lost = [], []
+                for _ in range(2000):
+                    try:
+                        got.append(it.next(TIMEOUT))
+                    except mpr.WorkerLostError as e:
+                        lost.append(e)
+                assert len(lost) == 1 and lost[0].pid == victim and lost[0].index == 500
+                assert got == [x * x for x in range(2000) if x != 500]
+            if exercised:
+                break
+        assert exercised, "task 500 was never followed by others in its batch"
+
     def test_every_call_ends_under_random_sigkills(self, ctx):
         """A worker killed anywhere (between taking a task and saying so, too) fails at most the task it took,
         and every call ends: issue 12 defect 6, where 4 of 73 calls never did."""

@@ -127,3 +127,29 @@ def three_mib(i):
 def arrays_and_a_lock(method):
     """A result that cannot be pickled, after a long repr."""
     return [np.arange(float(i), i + 1000.0) for i in range(20)] + [multiprocessing.get_context(method).Lock()]
+
+
+def sized(n):
+    """A result of ``n`` bytes' pickle, about: around the short results' limit (Note [batches])."""
+    return n, b"x" * n
+
+
+def nap(seconds):
+    time.sleep(seconds)
+    return seconds
+
+
+def slow_square_or_block(args):
+    """x * x after 50 us of work (short enough to be batched, slow enough that batches fill), or, for x ==
+    blocked, this worker's pid written to ``path`` and a 60 s sleep. No shared array in the arguments: a task
+    that names shared memory travels alone."""
+    x, path, blocked = args
+    end = time.perf_counter() + 50e-6
+    while time.perf_counter() < end:
+        pass
+    if x == blocked:
+        with open(path + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(path + ".tmp", path)
+        time.sleep(60)
+    return x * x

@@ -249,3 +249,33 @@ def test_full_tmpfs_raises_instead_of_sigbus(mount_tmpfs, monkeypatch):
 def test_a_full_dev_shm_says_how_to_enlarge_it():
     msg = str(shm_core.SharedMemoryFullError("/dev/shm/x", 100, 10, "/dev/shm"))
     assert "--shm-size" in msg and "remount" in msg and "file_descriptor" in msg
+
+
+def test_recv_many_takes_every_queued_message_in_one_call_and_no_descriptor():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with a, b:
+        buf = bytearray(8 * 16)
+        assert shm_core.recv_many(b, buf, 16, socket.MSG_DONTWAIT) == []  # nothing queued: no BlockingIOError
+        for n in range(1, 11):
+            a.send(bytes([n]) * n)
+        got = shm_core.recv_many(b, buf, 16, socket.MSG_DONTWAIT)
+        assert got == [(n, 0) for n in range(1, 9)]  # as many as the buffer holds, in order
+        assert all(buf[k * 16:k * 16 + n] == bytes([n]) * n for k, n in enumerate(range(1, 9)))
+        assert shm_core.recv_many(b, buf, 16, socket.MSG_DONTWAIT) == [(9, 0), (10, 0)]
+        a.send(b"x" * 40)  # longer than a frame: cut, and said so
+        ((n, flags),) = shm_core.recv_many(b, buf, 16, socket.MSG_DONTWAIT)
+        assert flags & socket.MSG_TRUNC
+        before = len(os.listdir("/proc/self/fd"))
+        seg = shm_core.create_anonymous(4096)
+        shm_core.send_fds(a, [b"fd"], [seg.fd])  # descriptors sent along are dropped by the kernel, not leaked
+        seg.close()
+        ((n, flags),) = shm_core.recv_many(b, buf, 16, socket.MSG_DONTWAIT)
+        assert n == 2 and flags & socket.MSG_CTRUNC
+        assert len(os.listdir("/proc/self/fd")) == before
+        with pytest.raises(ValueError):
+            shm_core.recv_many(b, buf, 0)
+        with pytest.raises(ValueError):
+            shm_core.recv_many(b, buf, len(buf) + 1)
+        a.close()
+        got = shm_core.recv_many(b, buf, 16, socket.MSG_DONTWAIT)  # the peer closed: 0-byte reads, as recv's
+        assert got and all(entry == (0, 0) for entry in got)

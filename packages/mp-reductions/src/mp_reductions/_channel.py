@@ -30,7 +30,7 @@ from multiprocessing.reduction import ForkingPickler
 
 import shm_core
 
-from ._reductions import MAX_FDS, CopyMiss, Incoming, NotPlain, Outgoing, Plain, tls
+from ._reductions import MAX_FDS, CopyMiss, Incoming, Outgoing, tls
 
 INLINE = 64 * 1024
 SPIN = int(os.environ.get("ARRAYMP_QUEUE_SPIN", "50"))  # see _queues Note [spin]
@@ -159,42 +159,10 @@ def _pickle_once(obj, out: Outgoing, head: bytes) -> tuple[Outgoing, bytes | mem
     return out, buf.getvalue()
 
 
-# Note [plain messages]: most messages name no shared memory (a Pool's tasks and results, small arrays). A
-# message is first pickled with the stateless Plain context, which takes no descriptor, copy or count and
-# raises NotPlain where an array would need one; only such a message is pickled again with an Outgoing
-# (the first try stops at its first large array, so little is done twice). A plain message holds nothing
-# to give back: its Packet has no Outgoing.
-_PLAIN = Plain()
-
-
-def _plain_pickle(obj, head: bytes) -> bytes | None:
-    """``obj``'s pickle after ``head`` if it names no shared memory and fits one message, else None."""
-    _Pickler.refresh()
-    r = _reused
-    if r.busy or r.key is not _Pickler._key:  # _pickle_once makes the pair
-        try:
-            _, payload = _pickle_once(obj, _PLAIN, head)
-        except NotPlain:
-            return None
-        return payload if len(payload) <= INLINE else None
-    buf, pickler = r.buf, r.pickler  # _pickle_once's work, for the stateless Plain context
-    buf.seek(0)
-    buf.truncate()
-    buf.write(head)
-    r.busy = True
-    saved, tls.ctx = tls.ctx, _PLAIN
-    try:
-        pickler.dump(obj)
-    except NotPlain:
-        return None
-    finally:
-        tls.ctx = saved
-        pickler.clear_memo()
-        r.busy = False
-    if buf.tell() > INLINE:
-        r.key = None  # a new pair next time, should this buffer have grown past _REUSE_MAX
-        return None
-    return buf.getvalue()
+# Note [plain messages]: most messages name no shared memory (a Pool's tasks and results, small arrays):
+# their Outgoing makes no list (it has nothing to give back), their pickle is made by the thread's reused
+# pickler (Note [reused pickler]), and their Packet is ``plain``: kind b"P", no descriptor. A Pool batches
+# plain tasks and frames plain results on a socket of their own (_pool Note [batches]).
 
 
 class Packet:
@@ -207,10 +175,6 @@ class Packet:
 
     def __init__(self, obj=None, *, raw: bytes | None = None, head: bytes = b""):
         if raw is None:
-            payload = _plain_pickle(obj, head)
-            if payload is not None:
-                self.out, self.fds, self.keep, self.buffers = None, (), None, [b"P", payload]
-                return
             out, payload = _pickle(obj, Outgoing(), head)
             if len(payload) > INLINE and out.inlined and not out.copy_inline:
                 # Too big for one socket message: rather than spill the whole
@@ -230,11 +194,15 @@ class Packet:
             self.keep = [*self.keep, spill]
             self.buffers = [b"S" + len(payload).to_bytes(8, "little")]
 
+    @property
+    def plain(self) -> bool:
+        """Inline and naming no shared memory: no descriptor, nothing to give back (Note [plain messages])."""
+        return self.buffers[0] == b"P"
+
     def send(self, sock: socket.socket, flags: int = 0) -> None:
         shm_core.send_fds(sock, self.buffers, self.fds, flags)
         self.keep = None
-        if self.out is not None:
-            self.out.sent()
+        self.out.sent()
 
     def send_nowait(self, sock: socket.socket) -> bool:
         """Send unless the socket is full (then False: nothing was sent)."""
@@ -246,8 +214,7 @@ class Packet:
 
     def discard(self) -> None:
         """Never sent: give back what the message held."""
-        if self.out is not None:
-            self.out.abort()
+        self.out.abort()
         self.keep = None
 
 

@@ -4,24 +4,29 @@
 What changed from the stdlib, and why::
 
     apply/map/imap ─▶ task handler ─▶ ready tasks ─▶ slot k: worker k's own queue ─▶ worker k ─┐
-                      (pickles them)    (sent while a slot holds < DEPTH unfinished)           │ (job, i) + result
-    AsyncResult ◀── result handler ◀──outqueue (SimpleQueue)───────────────────────────────────┘
-                          ▲          (sends ready tasks to the slots its results and deaths free)
-    worker handler ───────┘ deaths: slot, pid, exit code, the tasks it took (Note [lost tasks])
+                      (pickles them)    (a message: one task, or a batch of short ones,        │
+                                         sent while a slot holds < DEPTH unfinished)           │
+    AsyncResult ◀── result handler ◀──short results (recvmmsg) ◀───────────────────────────────┤ (job, i, s)
+                          ▲        ◀──outqueue (SimpleQueue) ◀─────────────────────────────────┘ + result
+                          │          (sends ready tasks to the slots its results and deaths free)
+    worker handler ───────┘ deaths: slot, pid, exit code, the messages it took (Note [lost tasks])
 
 - All queues are our seqpacket ``SimpleQueue``, whatever the context: task
   arguments and results carry their arrays by shared memory (DESIGN.md).
 - Each worker has its own task queue (a slot) instead of one shared inqueue,
-  holding the task it runs and the next one: so the parent knows which tasks
-  each worker took, and a worker that dies (a signal, the out-of-memory
-  killer, ``os._exit``) fails exactly those with ``WorkerLostError`` (the
-  stdlib's Pool waits forever there); a task it had not taken yet stays in
-  the slot for its replacement. The task handler keeps up to ``DEPTH`` tasks
-  per worker pickled and ready; the result handler sends them as results
-  arrive.
+  holding the message it runs and the next one: so the parent knows which
+  tasks each worker took, and a worker that dies (a signal, the out-of-memory
+  killer, ``os._exit``) fails the one it ran with ``WorkerLostError`` (the
+  stdlib's Pool waits forever there); a task it had not started stays in the
+  slot, or is sent again, for its replacement. The task handler keeps tasks
+  pickled and ready (``DEPTH * BATCH_MAX`` plain ones per worker); the result
+  handler sends them as results arrive.
 - Every message starts with a head ``(job, i)`` read before the rest: a task
   whose arguments fail to unpickle in the worker, or a result that fails to
   unpickle in the parent, is that task's error; the pool goes on.
+- Short tasks travel several to a message and their results are read many to
+  a system call (Note [batches]): a tiny task costs the parent less than the
+  stdlib's one message per task and per result.
 - No handler thread dies of an error: the result handler retries a receive
   that failed (the parent out of descriptors) after a back-off, logging once;
   the worker handler retries a worker that failed to start the same way.
@@ -32,7 +37,9 @@ What changed from the stdlib, and why::
   wakes on worker exits and on the change notifier, which is all it acts on.
 - Workers run a full garbage collection when they go idle, at most every
   ``GC_INTERVAL`` seconds while busy, and at exit, so views of shared memory
-  caught in reference cycles do not pin segments.
+  caught in reference cycles do not pin segments. What a worker holds once
+  started (its imports, the initializer's state) is frozen first
+  (``gc.freeze``): a collection looks at what its tasks made only.
 
 The task index in ``WorkerLostError`` is the item's for ``apply`` and for
 ``imap`` / ``imap_unordered`` with chunksize 1, else the chunk's.
@@ -43,22 +50,24 @@ worker argument), whatever the start method. A worker in a group of its own
 leave its named segments to a daemon that unlinks them when the worker exits,
 while the parent still holds the results.
 
-Note [lost tasks]: the parent sends a worker's queue (slot k) a task only
-while slot k holds fewer than ``DEPTH`` (2) unfinished ones (sent, and neither
-its result read nor its loss settled), under the slots' lock, and records
-each with its size in bytes; it keeps a reading end of every slot's queue. A
-worker takes its tasks in order, so the messages still queued in slot k are
-always the last ones sent, and their total size (SIOCINQ) says how many: the
-unfinished tasks before them were taken. When the worker handler reaps worker
+Note [lost tasks]: the parent sends a worker's queue (slot k) a message (one
+task, or a batch: Note [batches]) only while slot k holds fewer than ``DEPTH``
+(2) unfinished ones (sent, and neither all their results read nor their loss
+settled), under the slots' lock, and records each with its size in bytes; it
+keeps a reading end of every slot's queue. A worker takes its messages in
+order, so the messages still queued in slot k are always the last ones sent,
+and their total size (SIOCINQ) says how many: the unfinished ones before them
+were taken. When the worker handler reaps worker
 k (so it is dead and sent all it will ever send), it reads that total, under
 the lock and before it starts the replacement (the only other reader): the
-taken tasks are recorded as lost, the queued ones are left to the
-replacement. The result handler settles the record: it takes the records,
-then reads every message queued in the outqueue (all of the dead worker's are
-there by then; a receive that fails puts the settling off until one works),
-then fails each recorded task that is still unfinished (its
-result did not come) with ``WorkerLostError``. A task queued behind a running
-one (the slot's total is its size alone) is moved, unchanged, to a slot left
+taken messages are recorded, the queued ones are left to the replacement.
+The result handler settles the record: it takes the records, then reads every
+message queued on the short socket and the outqueue (all of the dead worker's
+are there by then; a receive that fails puts the settling off until one
+works), then fails the first recorded task that is still unfinished (its
+result did not come) with ``WorkerLostError`` and makes the others ready again
+(Note [batches]). A message queued behind a running one (the slot's total is
+its size alone) is moved, unchanged, to a slot left
 with nothing to do when no task is ready: its worker cannot have taken it
 meanwhile (a receive that finds nothing moves nothing), and the stdlib's
 shared inqueue would have run it there too. So every task is, whatever is
@@ -83,6 +92,29 @@ knows; after ``processes`` start failures in a row (no worker started between
 them) the pool is broken: every unfinished and every later task fails with
 ``WorkerStartError`` (the initializer's exception as its cause) and the worker
 handler starts no more workers (the stdlib's Pool respawns them forever).
+
+Note [batches]: the parent sends a slot one message at a time, each one task
+or a batch of plain ones (naming no shared memory: _channel Note [plain
+messages]), with a head ``[((job, i), length of its pickle), ...]`` and the
+tasks' pickles one after another; a batch is as many ready tasks as make about
+``BATCH_TIME`` of work by the workers' own measure (each result says how long
+its task ran; ``per_task`` is their moving average), at most ``BATCH_MAX``, no
+more than a fair share of the ready ones, and the whole within one message. A
+task holding shared memory, or any task of a pool whose workers retire after
+``maxtasksperchild`` tasks (a worker must not take more than it will run),
+goes alone. Tasks that run long are never batched, so none waits behind a long
+one while another worker idles, as the stdlib's shared queue ensures; a batch
+of short ones may, for about BATCH_TIME. A worker runs a batch's tasks in order
+and sends each result as it is made, before it starts the next: a plain one
+that fits ``_SHORT_MAX`` bytes framed by ``_RESULT`` (job, index, seconds) on
+the ``short`` socket, which carries no descriptor and which the result handler
+reads up to 64 messages per system call (``shm_core.recv_many``), any other on
+the outqueue with the head ``(job, i, seconds)``. So Note [lost tasks] holds per
+task: when a worker dies, the result handler has read every result it sent
+(from both sockets) before it settles the death; in the message it was running,
+its first unfinished task is the one it ran (or was about to) and fails with
+``WorkerLostError``, and those after it, never started, are ready again, first
+in line (``_Slots.lost``). A killed worker still fails at most the task it took.
 
 Note [resource tracker]: ``Process.start`` under spawn (and forkserver) calls
 ``multiprocessing.resource_tracker.getfd()``, which writes a probe to the
@@ -120,7 +152,7 @@ import shm_core
 import shm_manager
 
 from . import _recycle
-from ._channel import INLINE, Packet, _plain_pickle, check_openable, loads, recv_raw
+from ._channel import INLINE, Packet, check_openable, loads, recv_raw
 from ._queues import SimpleQueue
 from ._reductions import MAX_FDS, init_reductions
 
@@ -283,11 +315,12 @@ def worker(inqueue, outqueue, initializer=None, initargs=(), maxtasks=None, wrap
         if head is None:
             util.debug("worker got sentinel -- exiting")
             break
-        for (job, i), body, fds in _unbatch(head, body, fds):
+        for (job, i), task, task_fds in _unbatch(head, body, fds):
+            body = fds = None
             t0 = time.perf_counter()
-            result = _run(body, fds, wrap_exception)
+            result = _run(task, task_fds, wrap_exception)
             _send_result(out, short, job, i, time.perf_counter() - t0, result)
-            body = fds = result = None
+            task = task_fds = result = None
             completed += 1
             now = time.monotonic()
             if now - last_gc >= GC_INTERVAL:
@@ -304,12 +337,13 @@ def _send_result(out, short, job, i, seconds: float, result: tuple) -> None:
     """Send one task's result: on ``short`` framed by _RESULT if it is plain and small, else on ``out`` with the
     head (job, i, seconds) (Note [batches])."""
     try:
-        if short is not None and type(job) is int and type(i) is int:
-            payload = _plain_pickle(result, b"")
-            if payload is not None and len(payload) <= _SHORT_MAX - _RESULT.size:
-                short.sendmsg([_RESULT.pack(job, i, seconds), payload])
-                return
-        _send(out, (job, i, seconds), result)
+        head = pickle.dumps((job, i, seconds))
+        packet = Packet(result, head=head)
+        if short is not None and packet.plain and len(packet.buffers[1]) - len(head) <= _SHORT_MAX - _RESULT.size \
+                and type(job) is int and type(i) is int:
+            short.sendmsg([_RESULT.pack(job, i, seconds), memoryview(packet.buffers[1])[len(head):]])
+        else:
+            packet.send(out)
     except Exception as e:
         wrapped = _encoding_error(e, result[1])
         util.debug(f"Possible encoding error while sending result: {wrapped}")
@@ -341,11 +375,14 @@ def _unbatch(head, body, fds):
 
 
 def _message(items: list[tuple]) -> list:
-    """The buffers of one message holding the plain tasks ``items`` ((job, i), None, pickle): one with its head
-    (job, i), or a batch, whose head is ``[((job, i), length of its pickle), ...]`` (Note [batches])."""
+    """The buffers of one message holding ``items`` ((job, i), Packet made with the head (job, i), the head's
+    length): one as it is, or plain ones as a batch, whose head is ``[((job, i), length of its pickle), ...]``
+    (Note [batches])."""
     if len(items) == 1:
-        return [b"P", pickle.dumps(items[0][0]), items[0][2]]
-    return [b"P", pickle.dumps([(task, len(body)) for task, _, body in items]), *[body for _, _, body in items]]
+        return items[0][1].buffers
+    bodies = [memoryview(packet.buffers[1])[n:] for _, packet, n in items]
+    return [b"P", pickle.dumps([(task, len(body)) for (task, _, _), body in zip(items, bodies, strict=True)]),
+            *bodies]
 
 
 def _encoding_error(exc: Exception, value) -> mp_pool.MaybeEncodingError:
@@ -386,8 +423,8 @@ class _Slots:
         self.sent: list[collections.deque] = [collections.deque() for _ in range(processes)]
         self.owner: dict[tuple, int] = {}  # unfinished (job, i) -> its slot
         self.deaths: list[tuple] = []  # (slot, pid, exitcode, the messages it took), to settle
-        # pickled tasks, sent as slots have room: ((job, i), None, its pickle) if plain (Note [plain messages] in
-        # _channel), else ((job, i), its Packet, None); their weight is 1 for a plain one, BATCH_MAX for one holding
+        # pickled tasks, sent as slots have room: ((job, i), its Packet made with the head (job, i), the head's
+        # length); their weight is 1 for a plain one (_channel Note [plain messages]), BATCH_MAX for one holding
         # shared memory (Note [batches])
         self.ready: collections.deque = collections.deque()
         self.weight, self.ready_max, self.waiting = 0, DEPTH * BATCH_MAX * processes, False
@@ -413,18 +450,17 @@ class _Slots:
             self.failed.append((job, i, self.broken))
             self.settle_failed()
             return
-        body = _plain_pickle(task, b"")  # may raise: the stdlib makes it the task's error
-        packet = Packet(task, head=pickle.dumps((job, i))) if body is None else None
-        weight = 1 if packet is None else BATCH_MAX
+        head = pickle.dumps((job, i))
+        packet = Packet(task, head=head)  # may raise: the stdlib makes it the task's error
+        weight = 1 if packet.plain else BATCH_MAX
         with self.lock:
             while not self.closed and self.weight >= self.ready_max:
                 self.waiting = True
                 self.cond.wait()
             if self.closed:
-                if packet is not None:
-                    packet.discard()
+                packet.discard()
                 return
-            self.ready.append(((job, i), packet, body))
+            self.ready.append(((job, i), packet, len(head)))
             self.weight += weight
             if min(map(len, self.sent)) < DEPTH:  # else no slot takes it now
                 self._send_ready()
@@ -447,17 +483,14 @@ class _Slots:
             if self.waiting and self.weight <= self.ready_max // 2:
                 self.waiting = False
                 self.cond.notify()  # the task handler pickles the next ones in a burst, not one by one
-            packet = items[0][1]
-            buffers = _message(items) if packet is None else packet.buffers
+            buffers = _message(items)
             try:  # never blocks: the queue holds DEPTH messages
-                if packet is None:
+                items[0][1].send(self.queues[k]._writer._sock) if len(items) == 1 else \
                     shm_core.send_fds(self.queues[k]._writer._sock, buffers)
-                else:
-                    packet.send(self.queues[k]._writer._sock)
             except Exception as e:
-                if packet is not None:
+                for task, packet, _ in items:
                     packet.discard()
-                self.failed.extend((*task, e) for task, _, _ in items)
+                    self.failed.append((*task, e))
                 continue
             size = sum(memoryview(b).nbytes for b in buffers)
             tasks = collections.deque(task for task, _, _ in items)
@@ -469,12 +502,12 @@ class _Slots:
         """The ready tasks for the next message (the lock held): one holding shared memory, or up to ``n``
         plain ones."""
         first = self.ready.popleft()
-        if first[1] is not None:
+        if not first[1].plain:
             self.weight -= BATCH_MAX
             return [first]
-        items, size = [first], len(first[2])
-        while len(items) < n and self.ready and self.ready[0][1] is None:
-            size += len(self.ready[0][2])
+        items, size = [first], len(first[1].buffers[1])
+        while len(items) < n and self.ready and self.ready[0][1].plain:
+            size += len(self.ready[0][1].buffers[1])
             if size > _BATCH_BYTES:
                 break
             items.append(self.ready.popleft())
@@ -594,8 +627,7 @@ class _Slots:
             self.broken = error
             while self.ready:
                 (job, i), packet, _ = self.ready.popleft()
-                if packet is not None:
-                    packet.discard()
+                packet.discard()
                 self.failed.append((job, i, error))
             self.weight = 0
             for (job, i) in list(self.owner):
@@ -619,9 +651,7 @@ class _Slots:
         with self.lock:
             self.closed = True
             while self.ready:
-                packet = self.ready.popleft()[1]
-                if packet is not None:
-                    packet.discard()
+                self.ready.popleft()[1].discard()
             self.weight = 0
             self.cond.notify_all()
 
@@ -827,17 +857,23 @@ class Pool(mp_pool.Pool):
 
         def read_short() -> None:
             """Deliver every short result queued now (Note [batches])."""
-            while True:
+            nonlocal short
+            while short is not None:
                 got = shm_core.recv_many(short, frames, _SHORT_MAX, socket.MSG_DONTWAIT)
                 done = []
                 for k, (n, flags) in enumerate(got):
+                    if n == 0:  # its writers are gone (never while the pool lives: it holds one): stop polling it
+                        waiter.unregister(short)
+                        short = None
+                        return
                     if flags & _TRUNCATED or n < _RESULT.size:
                         log.error("the pool's result handler dropped a malformed short result (%d bytes, flags %#x)",
                                   n, flags)
                         continue
                     job, i, seconds = _RESULT.unpack_from(frames, k * _SHORT_MAX)
                     done.append(((job, i), seconds, k * _SHORT_MAX + _RESULT.size, k * _SHORT_MAX + n))
-                for ((job, i), _, start, end), known in zip(done, slots.results([d[:2] for d in done])):
+                unfinished = slots.results([d[:2] for d in done]) if done else []
+                for ((job, i), _, start, end), known in zip(done, unfinished, strict=True):
                     try:
                         deliver(job, i, known, frames[start:end], None)
                     except Exception:  # a callback raised: the stdlib's would die

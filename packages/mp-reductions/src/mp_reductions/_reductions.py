@@ -43,26 +43,38 @@ MAX_FDS = 250  # the kernel passes at most 253 descriptors in one message (SCM_M
 
 
 class Outgoing:
-    """What a message being pickled needs besides its bytes: descriptors and copies."""
+    """What a message being pickled needs besides its bytes: descriptors and copies.
+
+    A message that names no shared memory (most: _channel Note [plain messages]) makes none of the lists
+    below: they are made at its first reference (``_start``), until then empty tuples of the class.
+    """
+
+    inlined = 0  # arrays that went inline
+    handles = False  # the message names shared memory (the receiver needs an Incoming)
+    fds: list[int] = ()  # dups, owned here (Note [descriptors] in _shared): closed once sent
+    keep: list = ()  # objects whose descriptors or counts must live until sent
+    in_flight: list[shm_core.Segment] = ()  # segments this message counts in flight (_recycle.REFS)
+    blocks: list[tuple[shm_core.Segment, int]] = ()  # arena blocks it counts (_shared Note [arenas])
+    _index: dict[int, int] = None
+    _copies: list[tuple[np.ndarray, int]] = ()
+    _copy_size = 0
+    _copy_ref = None
+    recycled: shm_core.Segment | None = None  # the message's copy segment, back to the pool once sent
 
     def __init__(self, share_all: bool = False, pooled: bool = True, copy_inline: bool = False):
         self.share_all = share_all  # no array inline: the message would not fit the socket otherwise
         self.pooled = pooled  # file_system: the copy may go into a pooled segment chosen at the first copy
         self.copy_inline = copy_inline  # unshared arrays inline whatever their size: shared memory is full
-        self.inlined = 0  # arrays that went inline
-        self.handles = False  # the message names shared memory (the receiver needs an Incoming)
-        self.fds: list[int] = []  # dups, owned here (Note [descriptors] in _shared): closed once sent
-        self.keep: list = []  # objects whose descriptors or counts must live until sent
-        self.in_flight: list[shm_core.Segment] = []  # segments this message counts in flight (_recycle.REFS)
-        self.blocks: list[tuple[shm_core.Segment, int]] = []  # arena blocks it counts (_shared Note [arenas])
-        self._index: dict[int, int] = {}
-        self._copies: list[tuple[np.ndarray, int]] = []
-        self._copy_size = 0
-        self._copy_ref = None
-        self.recycled: shm_core.Segment | None = None  # the message's copy segment, back to the pool once sent
+
+    def _start(self) -> None:
+        """The message names shared memory: make its lists."""
+        if not self.handles:
+            self.handles = True
+            self.fds, self.keep, self.in_flight, self.blocks, self._copies = [], [], [], [], []
+            self._index = {}
 
     def fd_ref(self, seg: shm_core.Segment) -> tuple:
-        self.handles = True
+        self._start()
         i = self._index.get(id(seg))
         if i is None:
             if len(self.fds) >= MAX_FDS:
@@ -77,6 +89,7 @@ class Outgoing:
 
     def block_ref(self, seg: shm_core.Segment, block: int) -> int:
         """Count one array handle naming arena block ``block`` in flight (its receiver gives it back)."""
+        self._start()
         seg.fetch_add(shm_core.HEADER_SIZE + block, 1)
         self.blocks.append((seg, block))
         return block
@@ -86,7 +99,7 @@ class Outgoing:
         self.in_flight.append(seg)
 
     def named_ref(self, seg: shm_core.Segment) -> tuple:
-        self.handles = True
+        self._start()
         if id(seg) not in self._index:
             self._index[id(seg)] = -1
             seg.incref()  # the in-flight count, see _shared Note [named segments]
@@ -95,7 +108,7 @@ class Outgoing:
         return ("n", seg.name, seg.dir)
 
     def copy_ref(self, arr: np.ndarray) -> tuple[tuple, int]:
-        self.handles = True
+        self._start()
         offset = self._copy_size
         self._copy_size = _shared._aligned(offset + arr.nbytes)
         self._copies.append((arr, offset))
@@ -135,6 +148,8 @@ class Outgoing:
 
     def sent(self) -> None:
         """The message is in the socket: what it held may go, its copy segment back to the pool."""
+        if not self.handles:
+            return
         self._close_fds()
         self.keep.clear()
         self.in_flight.clear()
@@ -145,6 +160,8 @@ class Outgoing:
 
     def abort(self) -> None:
         """The message will not be sent: give back the in-flight counts taken."""
+        if not self.handles:
+            return
         self._close_fds()
         for seg, block in self.blocks:
             seg.fetch_add(shm_core.HEADER_SIZE + block, -1)
@@ -165,32 +182,6 @@ class Outgoing:
             if fd >= 0:
                 os.close(fd)
         self.fds.clear()
-
-
-class NotPlain(Exception):
-    """Raised by ``Plain``'s references: the message names shared memory; pickle it with an ``Outgoing``."""
-
-
-class Plain(Outgoing):
-    """The context of a first, cheap try at pickling a message (_channel Note [plain messages]): stateless
-    (one for every thread), it lets small arrays go inline and raises NotPlain, before taking anything, where
-    an array would need a descriptor, a copy segment or a count."""
-
-    share_all = copy_inline = False
-    inlined = property(lambda self: 0, lambda self, value: None)
-
-    def __init__(self):
-        pass
-
-    def fd_ref(self, *args):
-        raise NotPlain
-
-    named_ref = copy_ref = block_ref = fd_ref
-
-    def finish(self) -> None:
-        pass
-
-    sent = abort = finish
 
 
 class CopyMiss(Exception):
