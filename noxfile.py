@@ -21,7 +21,7 @@ import nox
 
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.sessions = ["shm_core", "shm_manager", "mp_reductions", "shm_cuda", "mp_spawn", "mp_dask", "facade",
-                        "nonroot", "stdlib_suite", "lint", "release_check"]
+                        "nonroot", "stdlib_suite", "lint", "docs", "release_check"]
 
 ROOT = pathlib.Path(__file__).parent
 FOLDERS = [f"packages/{name}" for name in ("shm-core", "shm-manager", "mp-reductions", "shm-cuda", "mp-spawn",
@@ -35,6 +35,9 @@ PKG = {
     "mp_dask": [*FOLDERS, "."],  # the facade too: its get_context("dask") is tested here
     "facade": [*FOLDERS, ".[cuda12]"],  # cupy: the lazy registration of its reducer is tested without a GPU
 }
+# The documentation site's tools (mkdocs.yml): mkdocstrings reads our docstrings from the source, so none of our
+# packages is installed for it.
+DOCS = ["mkdocs-material>=9.5,<10", "mkdocstrings>=1.0,<2", "mkdocstrings-python>=2.0,<3"]
 # What README.md's install takes from an index: our packages' third-party dependencies, and the build backends of
 # our pyproject.toml files.
 FROM_INDEX = ["numpy", "tqdm"]
@@ -180,6 +183,15 @@ def stdlib_suite(session):
 def lint(session):
     session.install("ruff")
     session.run("ruff", "check", ".")
+
+
+@nox.session
+def docs(session):
+    """The documentation site (mkdocs.yml, docs/) built into site/ with ``mkdocs build --strict``: a broken link,
+    a page missing from the nav or an API name that does not resolve fails it. Its code samples are run by the
+    facade session (tests/test_docs.py)."""
+    session.install(*DOCS)
+    session.run("mkdocs", "build", "--strict", env={"NO_MKDOCS_2_WARNING": "1"})
 
 
 def _metadata(artifact: pathlib.Path) -> tuple[email.message.Message, list[str]]:
