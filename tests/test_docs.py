@@ -95,7 +95,10 @@ def test_sample_runs(lang, code, mark, tmp_path):
     shm = tempfile.mkdtemp(prefix="docs-sample-", dir=parent)
     try:
         env = {**os.environ, "ARRAYMP_SHM_DIR": shm}
-        env.pop("ARRAYMP_RUNTIME_DIR", None)
+        # a program of its own, as a user runs it: not a member of this process's shm-manager group (which
+        # importing arraymp here put in $ARRAYMP_GROUP), whose end would then be the one to clean its files up
+        for name in ("ARRAYMP_RUNTIME_DIR", "ARRAYMP_GROUP"):
+            env.pop(name, None)
         out = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT)
         assert out.returncode == 0, f"stdout:\n{out.stdout}\nstderr:\n{out.stderr}"
         deadline = time.monotonic() + 5  # shm-manager's daemon lingers 0.5 s after its group ends
