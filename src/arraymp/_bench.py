@@ -31,6 +31,7 @@ import time
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
+from tqdm import tqdm
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20]
 UNITS = {"GiB": 1 << 30, "MiB": 1 << 20, "KiB": 1 << 10, "B": 1, "": 1}  # longest suffix first
@@ -247,36 +248,47 @@ def human(n: int) -> str:
 
 
 class Status:
-    """Progress on stderr. On a terminal, ``show`` redraws one line in place; anywhere else (a pipe, a file, a
-    CI log) it writes nothing, so the output holds plain lines only, never carriage-return redraws. ``line``
-    writes a line that stays, either way."""
+    """Progress on stderr. Where stderr is a terminal, ``show`` draws one line in place (a tqdm status line);
+    anywhere else (a pipe, a file, a CI log) it writes nothing, so the output holds plain lines only, never
+    carriage-return redraws. ``line`` writes a line that stays, either way; ``bar`` makes a tqdm progress bar
+    that is drawn only on a terminal too."""
 
     def __init__(self, stream=None):
         self.stream = sys.stderr if stream is None else stream
-        try:
-            self.tty = self.stream.isatty()
-        except (AttributeError, ValueError):  # no isatty, or closed
-            self.tty = False
-        self.drawn = 0  # length of the line shown in place, 0 when none
+        self.tty = _isatty(self.stream)
+        self.status = None  # the tqdm line ``show`` draws in place, None when none
 
     def show(self, text: str) -> None:
-        if self.tty:
-            self.stream.write("\r" + text.ljust(self.drawn))
-            self.stream.flush()
-            self.drawn = len(text)
+        if self.status is None and self.tty:
+            self.status = tqdm(file=self.stream, bar_format="{desc}", leave=False)
+        if self.status is not None:
+            self.status.set_description_str(text)
 
     def done(self) -> None:
         """Ends the line shown in place, which stays on the screen."""
-        if self.drawn:
-            self.stream.write("\n")
-            self.drawn = 0
+        if self.status is not None:
+            self.status.leave = True
+            self.status.close()
+            self.status = None
 
     def line(self, text: str) -> None:
-        if self.drawn:  # clear what show() drew
-            self.stream.write("\r" + " " * self.drawn + "\r")
-            self.drawn = 0
-        self.stream.write(text + "\n")
+        if self.status is not None:  # clear what show() drew
+            self.status.close()
+            self.status = None
+        tqdm.write(text, file=self.stream)
         self.stream.flush()
+
+    def bar(self, total: int) -> tqdm:
+        """A progress bar of ``total`` steps (``update()`` each), drawn only where the stream is a terminal."""
+        return tqdm(total=total, file=self.stream, disable=not self.tty, leave=True, unit="msg",
+                    bar_format="  {bar:40} {percentage:3.0f}% {n_fmt}/{total_fmt} {unit}")
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False
 
 
 def estimate(sizes: list[int], repeat: int, quick: bool, systems: list[str], pickled_rate: float) -> float:

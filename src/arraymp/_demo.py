@@ -37,7 +37,7 @@ def _pipeline(ctx, n, shape, preshared, bar, plain):
     for i in range(n):
         a = base if preshared else np.full(shape, i, np.float32)
         q.put(a)
-        bar.step()
+        bar.update()
     total = results.get(timeout=600)
     dt = time.perf_counter() - t0
     p.join()
@@ -57,23 +57,10 @@ def _pool(ctx, n, bar, plain):
         got = 0.0
         for r in pool.imap_unordered(_task, range(n), chunksize=4):
             got += float(r[0, 0])
-            bar.step()
+            bar.update()
         dt = time.perf_counter() - t0
     assert got == sum(range(n)), "pool lost results"
     return dt
-
-
-class _Bar:
-    """A progress bar redrawn in place on a terminal; nothing where stderr is not one (Status)."""
-
-    def __init__(self, total, status):
-        self.total, self.done, self.status = total, 0, status
-
-    def step(self):
-        self.done += 1
-        filled = 40 * self.done // self.total
-        if filled != 40 * (self.done - 1) // self.total:  # at most 40 redraws
-            self.status.show(f"  [{'#' * filled}{'.' * (40 - filled)}] {100 * self.done // self.total:3d}%")
 
 
 BIG = (1024, 2048)  # float32: 8 MiB
@@ -97,9 +84,8 @@ def main(scale: float = 1) -> int:
         for label, ctx, n in (("arraymp", ours, n_ours), ("stdlib", stdlib, n_stdlib)):
             n = max(4, int(n * scale))
             status.line(f"{name} [{label}]: {n} messages")
-            with _as(label):
-                rates[label] = n * mib / 1024 / job(ctx, n, _Bar(n, status), label == "stdlib")
-            status.done()
+            with _as(label), status.bar(n) as bar:
+                rates[label] = n * mib / 1024 / job(ctx, n, bar, label == "stdlib")
         rows.append((name, rates["arraymp"], rates["stdlib"]))
     print(f"\n{'job':34} {'arraymp GiB/s':>14} {'stdlib GiB/s':>13} {'speed-up':>9}")
     for name, a, s in rows:
