@@ -314,3 +314,44 @@ def test_no_descriptor_exhaustion_with_20000_live_received_arrays(tmp_path):
     assert out.returncode == 0, out.stderr
     base, fds, code = map(int, out.stdout.split())
     assert code == 0 and fds < base + 32, (base, fds)
+
+
+class SendsWhilePickled:
+    """Pickling it sends a message of its own on ``q``: the thread's reused pickler is busy (Note [reused
+    pickler]); the nested message must get a pickler of its own and both must arrive whole."""
+
+    def __init__(self, q, payload):
+        self.q, self.payload = q, payload
+
+    def __reduce__(self):
+        self.q.put(("nested", self.payload))
+        return tuple, (("outer", self.payload),)
+
+
+def test_a_message_pickled_while_another_is_keeps_both_whole():
+    q, side = mpr.Queue(), mpr.Queue()
+    big = np.arange(100_000.0)  # shared memory in both messages
+    q.put([SendsWhilePickled(side, big), np.arange(5), "after"])
+    got = q.get(timeout=10)
+    assert got[0][0] == "outer" and np.array_equal(got[0][1], big)
+    assert np.array_equal(got[1], np.arange(5)) and got[2] == "after"
+    nested = side.get(timeout=10)
+    assert nested[0] == "nested" and np.array_equal(nested[1], big)
+    q.put(("plain", 1))  # the reused pickler is whole afterwards
+    assert q.get(timeout=10) == ("plain", 1)
+
+
+def test_a_sent_object_is_not_kept_alive_by_the_pickler():
+    # the reused pickler's memo holds what it pickled until cleared: an array sent must go when dropped
+    import gc
+    import weakref
+
+    q = mpr.Queue()
+    for n in (10, 100_000):  # inline, and in shared memory
+        a = np.arange(float(n))
+        ref = weakref.ref(a)
+        q.put([a, a])  # twice: the memo holds it between the two
+        del a
+        gc.collect()
+        assert ref() is None, "the array outlived its message in the sender"
+        q.get(timeout=10)
