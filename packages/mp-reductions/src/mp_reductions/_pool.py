@@ -39,7 +39,10 @@ What changed from the stdlib, and why::
   ``GC_INTERVAL`` seconds while busy, and at exit, so views of shared memory
   caught in reference cycles do not pin segments. What a worker holds once
   started (its imports, the initializer's state) is frozen first
-  (``gc.freeze``): a collection looks at what its tasks made only.
+  (``gc.freeze``, after a collection): a collection looks at what its tasks
+  made only (a full one cost ~17 ms with numpy imported, every 0.1 s, a
+  sixth of a busy worker); a cycle among the frozen objects is never collected
+  but lives as long as the worker, as the initializer's globals do.
 
 The task index in ``WorkerLostError`` is the item's for ``apply`` and for
 ``imap`` / ``imap_unordered`` with chunksize 1, else the chunk's.
