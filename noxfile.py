@@ -33,7 +33,8 @@ PKG = {
     "shm_cuda": ["packages/shm-core", "packages/shm-cuda[cuda12]"],  # cupy: its API is checked without a GPU
     "mp_spawn": ["packages/mp-spawn"],
     "mp_dask": [*FOLDERS, "."],  # the facade too: its get_context("dask") is tested here
-    "facade": [*FOLDERS, ".[cuda12]"],  # cupy: the lazy registration of its reducer is tested without a GPU
+    # cupy: the lazy registration of its reducer is tested without a GPU; joblib and scikit-learn: tests/test_joblib.py
+    "facade": [*FOLDERS, ".[cuda12,joblib]", "scikit-learn"],
 }
 # The documentation site's tools (mkdocs.yml): mkdocstrings reads our docstrings from the source, so none of our
 # packages is installed for it.

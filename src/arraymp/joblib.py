@@ -71,9 +71,11 @@ try:
     import joblib
     from joblib._parallel_backends import AutoBatchingMixin, FallbackToBackend, SequentialBackend
 except ImportError as _exc:
-    raise ImportError(f"arraymp.joblib needs joblib ({_exc}); install it with `pip install 'arraymp[joblib]'` (from "
-                      "a clone: `python3 -m pip install --no-cache-dir ./packages/{shm-core,shm-manager,"
-                      "mp-reductions,shm-cuda,mp-spawn} '.[joblib]'`)") from _exc
+    raise ImportError(
+        f"arraymp.joblib needs joblib ({_exc}); install it with `pip install 'arraymp[joblib]'` (from "
+        "a clone: `python3 -m pip install --no-cache-dir ./packages/{shm-core,shm-manager,"
+        "mp-reductions,shm-cuda,mp-spawn} '.[joblib]'`)"
+    ) from _exc
 
 try:  # joblib vendored it before 1.5; loky uses it when installed
     import cloudpickle
@@ -103,8 +105,14 @@ class ArraympBackend(AutoBatchingMixin, joblib.ParallelBackendBase):
     supports_retrieve_callback = True
     supports_inner_max_num_threads = True
 
-    def __init__(self, nesting_level=None, inner_max_num_threads=None, start_method=None, idle_worker_timeout=300,
-                 **backend_kwargs):
+    def __init__(
+        self,
+        nesting_level=None,
+        inner_max_num_threads=None,
+        start_method=None,
+        idle_worker_timeout=300,
+        **backend_kwargs,
+    ):
         super().__init__(nesting_level=nesting_level, inner_max_num_threads=inner_max_num_threads, **backend_kwargs)
         _check_start_method(start_method)
         self.start_method = start_method
@@ -117,14 +125,28 @@ class ArraympBackend(AutoBatchingMixin, joblib.ParallelBackendBase):
         self._inputs_lock = threading.Lock()
 
     # ------------------------------------------------------------------ configuration
-    def configure(self, n_jobs=1, parallel=None, prefer=None, require=None, start_method=None,
-                  idle_worker_timeout=None, max_nbytes=1_000_000, mmap_mode="r", temp_folder=None, context=None,
-                  verbose=0, **unknown):
+    def configure(
+        self,
+        n_jobs=1,
+        parallel=None,
+        prefer=None,
+        require=None,
+        start_method=None,
+        idle_worker_timeout=None,
+        max_nbytes=1_000_000,
+        mmap_mode="r",
+        temp_folder=None,
+        context=None,
+        verbose=0,
+        **unknown,
+    ):
         """Check the arguments, choose the pool (started at the first task); the number of workers."""
         # ``context``: joblib passes the stdlib's default context to every backend; ours is ``start_method``.
         if unknown:
-            raise TypeError(f"the arraymp backend takes no argument {', '.join(map(repr, unknown))}; it takes "
-                            "start_method, idle_worker_timeout, max_nbytes and mmap_mode")
+            raise TypeError(
+                f"the arraymp backend takes no argument {', '.join(map(repr, unknown))}; it takes "
+                "start_method, idle_worker_timeout, max_nbytes and mmap_mode"
+            )
         n_jobs = self.effective_n_jobs(n_jobs)
         if n_jobs == 1:
             raise FallbackToBackend(SequentialBackend(nesting_level=self.nesting_level))
@@ -151,13 +173,15 @@ class ArraympBackend(AutoBatchingMixin, joblib.ParallelBackendBase):
             return 1
         if arraymp.current_process().daemon:  # a pool worker (ours, the stdlib's, loky's): no children
             if n_jobs != 1:
-                warnings.warn("arraymp-backed parallel loops cannot be nested in a worker process, setting n_jobs=1",
-                              stacklevel=3)
+                warnings.warn(
+                    "arraymp-backed parallel loops cannot be nested in a worker process, setting n_jobs=1", stacklevel=3
+                )
             return 1
         if not (self.in_main_thread() or self.nesting_level == 0):
             if n_jobs != 1:  # a thread of joblib's threading backend: no fork from there, as loky
-                warnings.warn("arraymp-backed parallel loops cannot be nested below threads, setting n_jobs=1",
-                              stacklevel=3)
+                warnings.warn(
+                    "arraymp-backed parallel loops cannot be nested below threads, setting n_jobs=1", stacklevel=3
+                )
             return 1
         if n_jobs < 0:
             n_jobs = max(joblib.cpu_count() + 1 + n_jobs, 1)
@@ -185,8 +209,14 @@ class ArraympBackend(AutoBatchingMixin, joblib.ParallelBackendBase):
             raise RuntimeError("the arraymp backend was not configured: use it through joblib.Parallel")
         if hasattr(func, "items"):  # joblib's BatchedCalls: its big inputs shared once, its functions portable
             fork = self._key[1] == "fork"
-            func.items = [(_portable(f, fork), tuple(self._share(a) for a in args),
-                           {k: self._share(v) for k, v in kwargs.items()}) for f, args, kwargs in func.items]
+            func.items = [
+                (
+                    _portable(f, fork),
+                    tuple(self._share(a) for a in args),
+                    {k: self._share(v) for k, v in kwargs.items()},
+                )
+                for f, args, kwargs in func.items
+            ]
         workers = _acquire(self._key, self.idle_worker_timeout, self)
 
         def done(value):
@@ -228,8 +258,13 @@ class ArraympBackend(AutoBatchingMixin, joblib.ParallelBackendBase):
     # ------------------------------------------------------------------ inputs and results
     def _share(self, obj):
         """``obj``, or its shared copy when it is a big array (made once per call: see the module docstring)."""
-        if (type(obj) is not np.ndarray or self._max_nbytes is None or obj.nbytes < max(self._max_nbytes, 1)
-                or obj.dtype.hasobject or is_shared(obj)):
+        if (
+            type(obj) is not np.ndarray
+            or self._max_nbytes is None
+            or obj.nbytes < max(self._max_nbytes, 1)
+            or obj.dtype.hasobject
+            or is_shared(obj)
+        ):
             return obj
         with self._inputs_lock:  # joblib dispatches from its callback thread too
             entry = self._inputs.get(id(obj))

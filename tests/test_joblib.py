@@ -1,0 +1,328 @@
+"""joblib's backend "arraymp" (arraymp.joblib): joblib's own idioms for a backend (context managers, nested calls,
+exceptions, batch_size="auto", generators, timeouts, aborting), arrays both ways by shared memory with the big inputs
+shared once per call, a killed worker failing instead of hanging, and scikit-learn's n_jobs giving loky's scores."""
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+joblib = pytest.importorskip("joblib", reason="joblib is not installed: `pip install 'arraymp[joblib]'`")
+
+from joblib import Parallel, delayed, parallel_backend, parallel_config  # noqa: E402
+from mp_reductions import _shared  # noqa: E402
+
+import arraymp as mp  # noqa: E402
+import arraymp.joblib  # noqa: E402
+
+METHODS = ["fork", "spawn", "forkserver"]
+BIG = 1 << 20  # float64 elements: 8 MiB, over joblib's max_nbytes (1 MB)
+
+
+@pytest.fixture(autouse=True)
+def no_workers_kept():
+    """The workers kept between calls go after each test (the leak check counts children)."""
+    yield
+    arraymp.joblib.shutdown()
+
+
+# ------------------------------------------------------------------ run by the workers (found in this module)
+def pid(*_):
+    return os.getpid()
+
+
+def square(x):
+    return x * x
+
+
+def divide(x, y):
+    return x / y
+
+
+def interrupt(_):
+    raise KeyboardInterrupt
+
+
+def sleep_or_raise(i):
+    if i == 0:
+        time.sleep(0.2)
+        raise ValueError("task 0 failed")
+    time.sleep(60)
+    return os.getpid()
+
+
+def kill_self(i):
+    if i == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.05)
+    return i
+
+
+def nested(i):
+    backend, n_jobs = joblib.parallel.get_active_backend()
+    inner = Parallel(n_jobs=2)(delayed(pid)() for _ in range(4))
+    return type(backend).__name__, set(inner), os.getpid()
+
+
+def inode(a: np.ndarray) -> int:
+    seg, _ = _shared.segment_of(a)
+    return os.fstat(seg.fd).st_ino
+
+
+def look(x, i):
+    """How the worker got ``x``, and a 4 MiB result."""
+    return mp.is_shared(x), x.flags.writeable, inode(x), float(x[i]), np.full(BIG // 2, i, np.float64)
+
+
+def bump(x):
+    time.sleep(0.05)
+    x[0] += 1
+    return float(x[0])
+
+
+def head(x):
+    return x[:1000]  # a view of the input
+
+
+def fill(out, i):
+    out[i] = i * 10  # out is shared: the caller sees this
+    return i
+
+
+# ------------------------------------------------------------------ registration and configuration
+@pytest.mark.parametrize("context", [parallel_config, parallel_backend])
+def test_backend_is_registered_and_runs_in_worker_processes(context):
+    with context("arraymp", n_jobs=3):
+        backend, n_jobs = joblib.parallel.get_active_backend()
+        assert isinstance(backend, arraymp.joblib.ArraympBackend) and n_jobs == 3
+        p = Parallel()
+        assert p.n_jobs == 3
+        assert p(delayed(square)(i) for i in range(20)) == [i * i for i in range(20)]
+        pids = set(Parallel()(delayed(pid)(i) for i in range(20)))
+    assert os.getpid() not in pids and 1 <= len(pids) <= 3
+
+
+def test_n_jobs_minus_one_uses_every_cpu():
+    with Parallel(n_jobs=-1, backend="arraymp") as p:
+        assert p._effective_n_jobs() == joblib.cpu_count()
+        assert p(delayed(square)(i) for i in range(10)) == [i * i for i in range(10)]
+
+
+def test_n_jobs_one_runs_in_this_process():
+    assert Parallel(n_jobs=1, backend="arraymp")(delayed(pid)() for _ in range(3)) == [os.getpid()] * 3
+
+
+def test_bad_arguments_say_what_is_accepted():
+    with pytest.raises(ValueError, match="start_method='thread' is not one of fork, spawn, forkserver"):
+        with parallel_config("arraymp", start_method="thread"):
+            pass
+    with pytest.raises(TypeError, match="takes no argument 'chunks'.*start_method"):
+        Parallel(n_jobs=2, backend="arraymp", chunks=3)(delayed(square)(i) for i in range(3))
+
+
+def test_workers_are_reused_between_calls_until_shutdown():
+    with parallel_config("arraymp", n_jobs=2):
+        first = set(Parallel()(delayed(pid)(i) for i in range(40)))
+        second = set(Parallel()(delayed(pid)(i) for i in range(40)))
+        assert second <= first
+        arraymp.joblib.shutdown()
+        third = set(Parallel()(delayed(pid)(i) for i in range(40)))
+    assert not third & first
+
+
+def test_a_different_n_jobs_gets_a_new_pool_and_the_old_one_goes():
+    first = set(Parallel(n_jobs=2, backend="arraymp")(delayed(pid)(i) for i in range(40)))
+    second = set(Parallel(n_jobs=3, backend="arraymp")(delayed(pid)(i) for i in range(60)))
+    assert not second & first
+    deadline = time.monotonic() + 30
+    while any(os.path.exists(f"/proc/{p}") and _alive(p) for p in first) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(os.path.exists(f"/proc/{p}") and _alive(p) for p in first)
+
+
+def _alive(p: int) -> bool:
+    try:
+        with open(f"/proc/{p}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_start_method_is_chosen(method):
+    with parallel_config("arraymp", n_jobs=2, start_method=method):
+        assert Parallel()(delayed(square)(i) for i in range(8)) == [i * i for i in range(8)]
+        assert arraymp.joblib._CURRENT.pool._ctx.get_start_method() == method
+
+
+# ------------------------------------------------------------------ arrays
+@pytest.mark.parametrize("method", METHODS)
+def test_big_inputs_are_shared_once_per_call_and_results_come_by_shared_memory(method):
+    x = np.random.default_rng(0).random(BIG)
+    out = Parallel(n_jobs=2, backend="arraymp", start_method=method)(delayed(look)(x, i) for i in range(12))
+    shared, writable, inodes, values, results = zip(*out, strict=True)
+    assert all(shared) and not any(writable)  # a handle to a read-only copy: loky's mmap_mode="r"
+    assert len(set(inodes)) == 1  # one copy for the twelve tasks
+    assert list(values) == [x[i] for i in range(12)]
+    for i, r in enumerate(results):
+        assert mp.is_shared(r) and r.flags.writeable and r.shape == (BIG // 2,) and (r == i).all()
+    assert x.flags.writeable and not mp.is_shared(x)  # the caller's array is left as it was
+
+
+def test_max_nbytes_none_gives_each_task_a_copy_and_r_plus_one_writable_copy():
+    x = np.ones(BIG)
+    out = Parallel(n_jobs=2, backend="arraymp", max_nbytes=None)(delayed(bump)(x) for i in range(6))
+    assert out == [2.0] * 6  # each task wrote into a copy of its own
+    out = Parallel(n_jobs=2, backend="arraymp", mmap_mode="r+", batch_size=1)(delayed(bump)(x) for i in range(6))
+    assert max(out) > 2.0  # the call's tasks wrote into one copy
+    assert x[0] == 1.0  # never into the caller's array
+
+
+def test_a_result_viewing_an_input_comes_back_as_a_writable_copy():
+    x = np.arange(BIG, dtype=np.float64)
+    r = Parallel(n_jobs=2, backend="arraymp")(delayed(head)(x) for _ in range(3))
+    for a in r:
+        assert a.flags.writeable and (a == x[:1000]).all()
+        a += 1  # loky's results are plain arrays: so are ours
+
+
+def test_a_shared_array_is_written_in_place_by_the_workers():
+    out = mp.zeros_shared(200, np.int64)
+    assert Parallel(n_jobs=2, backend="arraymp")(delayed(fill)(out, i) for i in range(200)) == list(range(200))
+    assert (out == np.arange(200) * 10).all()
+
+
+# ------------------------------------------------------------------ errors
+def test_exception_is_raised_with_the_workers_traceback():
+    with pytest.raises(ZeroDivisionError) as info:
+        Parallel(n_jobs=2, backend="arraymp")(delayed(divide)(1, y) for y in (1, 0, 2))
+    assert "in divide" in str(info.value.__cause__) and "return x / y" in str(info.value.__cause__)
+
+
+def test_keyboard_interrupt_in_a_task_is_raised_and_the_backend_goes_on():
+    with Parallel(n_jobs=2, backend="arraymp") as p:
+        with pytest.raises(KeyboardInterrupt):
+            p(delayed(interrupt)(i) for i in range(2))
+        assert p(delayed(square)(i) for i in range(10)) == [i * i for i in range(10)]
+
+
+def test_an_error_cancels_the_remaining_work():
+    start = time.monotonic()
+    with parallel_config("arraymp", n_jobs=2):
+        with pytest.raises(ValueError, match="task 0 failed"):
+            Parallel()(delayed(sleep_or_raise)(i) for i in range(20))
+        assert time.monotonic() - start < 30  # the task sleeping 60 s was killed, the 18 others never ran
+        assert len(Parallel()(delayed(pid)() for _ in range(4))) == 4
+
+
+def test_timeout_raises_and_kills_the_late_task():
+    start = time.monotonic()
+    with pytest.raises(multiprocessing.TimeoutError):  # what joblib raises, as for loky
+        Parallel(n_jobs=2, backend="arraymp", timeout=0.5)(delayed(time.sleep)(60) for _ in range(4))
+    assert time.monotonic() - start < 30
+
+
+def test_killed_worker_raises_worker_lost_error_instead_of_hanging():
+    with parallel_config("arraymp", n_jobs=2):
+        with pytest.raises(mp.WorkerLostError, match="SIGKILL"):
+            Parallel(batch_size=1, timeout=60)(delayed(kill_self)(i) for i in range(8))
+        assert Parallel()(delayed(square)(i) for i in range(4)) == [0, 1, 4, 9]
+
+
+def test_a_managed_parallel_works_after_an_error():
+    with Parallel(n_jobs=2, backend="arraymp") as p:
+        with pytest.raises(ZeroDivisionError):
+            p(delayed(divide)(1, y) for y in (1, 0))
+        assert p(delayed(square)(i) for i in range(10)) == [i * i for i in range(10)]
+        assert p(delayed(square)(i) for i in range(10)) == [i * i for i in range(10)]
+
+
+# ------------------------------------------------------------------ joblib's idioms
+def test_nested_parallel_runs_sequentially_in_the_worker():
+    out = Parallel(n_jobs=2, backend="arraymp")(delayed(nested)(i) for i in range(4))
+    for backend, inner, worker in out:
+        assert backend == "SequentialBackend" and inner == {worker} and worker != os.getpid()
+
+
+def test_batch_size_auto_batches_tiny_tasks():
+    with Parallel(n_jobs=2, batch_size="auto", backend="arraymp") as p:
+        assert p(delayed(square)(i) for i in range(5000)) == [i * i for i in range(5000)]
+        assert p._backend.compute_batch_size() > 1
+
+
+def test_return_as_generator():
+    g = Parallel(n_jobs=2, backend="arraymp", return_as="generator")(delayed(square)(i) for i in range(50))
+    assert not isinstance(g, list)
+    assert list(g) == [i * i for i in range(50)]
+
+
+def test_return_as_generator_unordered_yields_in_completion_order():
+    out = list(
+        Parallel(n_jobs=2, backend="arraymp", return_as="generator_unordered", batch_size=1)(
+            delayed(_sleep_then)(s) for s in (1.5, 0.0, 0.0)
+        )
+    )
+    assert out[0] == 0.0 and sorted(out) == [0.0, 0.0, 1.5]  # "generator" would yield the slow one first
+
+
+def _sleep_then(s):
+    time.sleep(s)
+    return s
+
+
+def test_lambdas_and_closures_run_under_spawn():
+    k = 3
+    with parallel_config("arraymp", n_jobs=2, start_method="spawn"):
+        assert Parallel()(delayed(lambda x: x + k)(i) for i in range(5)) == [3, 4, 5, 6, 7]
+
+
+def test_missing_joblib_says_how_to_install_it():
+    code = "import sys; sys.modules['joblib'] = None\nimport arraymp.joblib"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "ImportError: arraymp.joblib needs joblib" in out.stderr and "arraymp[joblib]" in out.stderr
+
+
+# ------------------------------------------------------------------ scikit-learn
+def test_cross_val_score_gives_loky_s_scores():
+    pytest.importorskip("sklearn", reason="scikit-learn is not installed")
+    from sklearn.datasets import make_classification
+    from sklearn.ensemble import RandomForestClassifier
+    from sklearn.model_selection import cross_val_score
+
+    X, y = make_classification(n_samples=600, n_features=20, random_state=0)
+
+    def scores():
+        return cross_val_score(RandomForestClassifier(n_estimators=50, random_state=0), X, y, cv=4, n_jobs=2)
+
+    with parallel_config("loky"):
+        loky = scores()
+    from joblib.externals.loky import get_reusable_executor
+
+    get_reusable_executor().shutdown(wait=True)  # loky keeps its workers: the leak check counts children
+    with parallel_config("arraymp"):
+        ours = scores()
+    assert list(ours) == list(loky) and len(ours) == 4
+
+
+def test_grid_search_cv_finds_what_a_sequential_search_finds():
+    pytest.importorskip("sklearn", reason="scikit-learn is not installed")
+    from sklearn.datasets import make_classification
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.model_selection import GridSearchCV
+
+    X, y = make_classification(n_samples=300, n_features=10, random_state=1)
+
+    def search(n_jobs):
+        return GridSearchCV(LogisticRegression(max_iter=500), {"C": [0.01, 0.1, 1, 10]}, cv=3, n_jobs=n_jobs).fit(X, y)
+
+    serial = search(None)
+    with parallel_config("arraymp", n_jobs=2):
+        ours = search(2)
+    assert ours.best_params_ == serial.best_params_
+    assert list(ours.cv_results_["mean_test_score"]) == list(serial.cv_results_["mean_test_score"])
