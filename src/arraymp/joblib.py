@@ -208,15 +208,7 @@ class ArraympBackend(AutoBatchingMixin, joblib.ParallelBackendBase):
         if self._key is None:
             raise RuntimeError("the arraymp backend was not configured: use it through joblib.Parallel")
         if hasattr(func, "items"):  # joblib's BatchedCalls: its big inputs shared once, its functions portable
-            fork = self._key[1] == "fork"
-            func.items = [
-                (
-                    _portable(f, fork),
-                    tuple(self._share(a) for a in args),
-                    {k: self._share(v) for k, v in kwargs.items()},
-                )
-                for f, args, kwargs in func.items
-            ]
+            func.items = self._prepare(func.items)
         workers = _acquire(self._key, self.idle_worker_timeout, self)
 
         def done(value):
@@ -256,15 +248,35 @@ class ArraympBackend(AutoBatchingMixin, joblib.ParallelBackendBase):
             self.configure(n_jobs=self.parallel.n_jobs, parallel=self.parallel, **self.parallel._backend_kwargs)
 
     # ------------------------------------------------------------------ inputs and results
+    def _prepare(self, items: list) -> list:
+        """A batch's ``(function, args, kwargs)`` items with their functions portable and their big arrays shared;
+        an item with neither is kept as it is (batches of thousands of tiny tasks pass through here)."""
+        fork, share, nd = self._key[1] == "fork", self._max_nbytes is not None, np.ndarray
+        last_f = last_g = None  # a batch mostly calls one function
+        out = []
+        for item in items:
+            f, args, kwargs = item
+            if f is not last_f:
+                last_f, last_g = f, _portable(f, fork)
+            changed = last_g is not f
+            if share:
+                for a in args:
+                    if type(a) is nd:
+                        args, changed = tuple([self._share(a) for a in args]), True
+                        break
+                if kwargs:
+                    for v in kwargs.values():
+                        if type(v) is nd:
+                            kwargs, changed = {k: self._share(v) for k, v in kwargs.items()}, True
+                            break
+            out.append((last_g, args, kwargs) if changed else item)
+        return out
+
     def _share(self, obj):
         """``obj``, or its shared copy when it is a big array (made once per call: see the module docstring)."""
-        if (
-            type(obj) is not np.ndarray
-            or self._max_nbytes is None
-            or obj.nbytes < max(self._max_nbytes, 1)
-            or obj.dtype.hasobject
-            or is_shared(obj)
-        ):
+        if type(obj) is not np.ndarray or obj.nbytes < max(self._max_nbytes, 1) or obj.dtype.hasobject:
+            return obj
+        if is_shared(obj):
             return obj
         with self._inputs_lock:  # joblib dispatches from its callback thread too
             entry = self._inputs.get(id(obj))
