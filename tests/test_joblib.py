@@ -4,6 +4,8 @@ shared once per call, a killed worker failing instead of hanging, and scikit-lea
 
 import multiprocessing
 import os
+import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -307,6 +309,15 @@ def test_lambdas_and_closures_run_under_spawn():
     k = 3
     with parallel_config("arraymp", n_jobs=2, start_method="spawn"):
         assert Parallel()(delayed(lambda x: x + k)(i) for i in range(5)) == [3, 4, 5, 6, 7]
+
+
+def test_readme_example_runs_and_says_what_happened(tmp_path):
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    code = re.search(r"^### joblib and scikit-learn\n.*?```python\n(.*?)^```", readme, re.M | re.S).group(1)
+    (tmp_path / "example.py").write_text(code)
+    out = subprocess.run([sys.executable, "example.py"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "came back through shared memory" in out.stdout
 
 
 def test_missing_joblib_says_how_to_install_it():
