@@ -35,12 +35,12 @@ it has been idle for ``idle_worker_timeout`` seconds (300) or :func:`shutdown`
 is called. The start method is ``start_method="fork" | "spawn" |
 "forkserver"`` (``parallel_config(backend="arraymp", start_method="spawn")``
 or ``Parallel(backend="arraymp", start_method=...)``), by default arraymp's
-(the stdlib's current one). fork starts fastest and runs functions defined in
-``__main__`` as they are; spawn and forkserver start clean interpreters, which
-is what to use when the caller runs threads or holds a CUDA context. Lambdas,
-closures and, under spawn and forkserver, functions of ``__main__`` are sent
-with cloudpickle (when installed: loky uses it too), as loky does; everything else, arrays included,
-goes through arraymp's reductions.
+(the stdlib's current one). fork starts fastest; spawn and forkserver start
+clean interpreters, which is what to use when the caller runs threads or holds
+a CUDA context. Lambdas, closures and, under spawn and forkserver, functions
+defined interactively (``python -c``, a notebook) are sent with cloudpickle,
+as loky sends them (cloudpickle comes with joblib); everything else, arrays
+included, goes through arraymp's reductions.
 
 As under loky: an exception in a task is raised in the caller with the
 worker's traceback as its ``__cause__``, and the remaining tasks are
@@ -241,11 +241,9 @@ class ArraympBackend(AutoBatchingMixin, joblib.ParallelBackendBase):
     def abort_everything(self, ensure_ready=True):
         """After an error or a timeout: terminate the pool, which kills the running tasks (unless another call
         has tasks in it too: then this call's tasks finish and their results are dropped)."""
-        _abort(self)
+        _abort(self)  # the next task starts a new pool: ready either way
         self._forget_inputs()
         self.reset_batch_stats()
-        if ensure_ready and self.parallel is not None:
-            self.configure(n_jobs=self.parallel.n_jobs, parallel=self.parallel, **self.parallel._backend_kwargs)
 
     # ------------------------------------------------------------------ inputs and results
     def _prepare(self, items: list) -> list:
@@ -340,14 +338,16 @@ def _init_worker(env: dict) -> None:
 
 def _portable(func, fork: bool):
     """``func``, or a stand-in that sends it with cloudpickle when pickle would send it by a name the worker
-    cannot look up (a lambda, a closure, a function of ``__main__`` in a worker that did not fork)."""
+    cannot look up (a lambda, a closure, a function of an interactive ``__main__`` in a worker that did not fork)."""
     if not isinstance(func, types.FunctionType):
         return func
     module = sys.modules.get(func.__module__)
     obj = module
     for part in func.__qualname__.split("."):
         obj = getattr(obj, part, None)
-    if cloudpickle is None or obj is func and (fork or func.__module__ != "__main__"):
+    # A worker that did not fork imports the main script as __mp_main__ (multiprocessing's spawn.prepare), so a
+    # function of a main module with a file is found there; an interactive session's is not.
+    if cloudpickle is None or obj is func and (fork or func.__module__ != "__main__" or hasattr(module, "__file__")):
         return func
     return _CloudFunction(func)
 
