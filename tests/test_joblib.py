@@ -76,9 +76,10 @@ def nested(i):
     return type(backend).__name__, set(inner), os.getpid()
 
 
-def inode(a: np.ndarray) -> int:
+def inode(a: np.ndarray):
+    """Which segment ``a`` views: its name (file_system), or its memfd's inode."""
     seg, _ = _shared.segment_of(a)
-    return os.fstat(seg.fd).st_ino
+    return seg.name or os.fstat(seg.fd).st_ino
 
 
 def look(x, i):
@@ -189,6 +190,22 @@ def test_big_inputs_are_shared_once_per_call_and_results_come_by_shared_memory(m
     for i, r in enumerate(results):
         assert mp.is_shared(r) and r.flags.writeable and r.shape == (BIG // 2,) and (r == i).all()
     assert x.flags.writeable and not mp.is_shared(x)  # the caller's array is left as it was
+
+
+def test_file_system_strategy_leaves_no_segment_behind():
+    old = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")  # named segments: the leak check counts them in ARRAYMP_SHM_DIR
+    try:
+        x = np.random.default_rng(1).random(BIG)
+        with parallel_config("arraymp", n_jobs=2, start_method="fork"):  # forked workers share the strategy
+            out = Parallel()(delayed(look)(x, i) for i in range(6))
+        assert all(o[0] and not o[1] for o in out) and len({o[2] for o in out}) == 1
+        assert [o[3] for o in out] == list(x[:6])
+        assert all(mp.is_shared(o[4]) and (o[4] == i).all() for i, o in enumerate(out))
+        del out
+    finally:
+        arraymp.joblib.shutdown()
+        mp.set_sharing_strategy(old)
 
 
 def test_max_nbytes_none_gives_each_task_a_copy_and_r_plus_one_writable_copy():
