@@ -12,8 +12,10 @@ Workloads (``n_jobs=2`` unless ``--workers``):
 
 Each backend keeps its workers between calls (loky's reusable executor, arraymp's reused pool; joblib's
 multiprocessing backend starts a pool per call, which is part of its cost): one warm-up call each, then the median
-of ``--repeat`` calls, the backends taking turns. Ratios are to loky's time (< 1: faster than loky). The load
-average is printed: on a shared machine the figures move with it.
+of ``--repeat`` calls, the backends taking turns. Ratios are to loky's time (< 1: faster than loky). Wall time and
+CPU time of all the processes (the caller and its workers) are both reported: on a loaded machine the wall time
+favours the backend that keeps more processes busy (loky's caller unpickles every result while its two workers
+run), the CPU time shows the work done. The load average is printed: the figures move with it.
 
     python benchmarks/joblib_backend.py [--workers 2] [--repeat 5] [--method fork] [--no-multiprocessing]
 """
@@ -21,7 +23,9 @@ average is printed: on a shared machine the figures move with it.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
+import resource
 import statistics
 import time
 
@@ -71,18 +75,37 @@ def workloads(joblib, workers: int):
     return runs
 
 
-def measure(joblib, backends: dict, run, repeat: int) -> dict[str, float]:
-    """Median seconds of ``run`` per backend: one warm-up call each, then the backends in turn ``repeat`` times
-    (interleaved, so that a change in the machine's load falls on every backend alike)."""
-    times: dict[str, list[float]] = {b: [] for b in backends}
+def cpu_seconds() -> float:
+    """CPU time of this process and all its children so far: the reaped ones (joblib's multiprocessing backend
+    ends its pool at each call) and the live ones (loky's and arraymp's workers, kept between calls)."""
+    own, reaped = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
+    for child in multiprocessing.active_children():
+        try:
+            with open(f"/proc/{child.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / _TICK
+    return total
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def measure(joblib, backends: dict, run, repeat: int) -> dict[str, tuple[float, float]]:
+    """Median (wall, CPU) seconds of ``run`` per backend: one warm-up call each, then the backends in turn
+    ``repeat`` times (interleaved, so that a change in the machine's load falls on every backend alike)."""
+    times: dict[str, list[tuple[float, float]]] = {b: [] for b in backends}
     for rep in range(-1, repeat):
         for b, params in backends.items():
             with joblib.parallel_config(backend=b, **params):
-                t0 = time.perf_counter()
+                c0, t0 = cpu_seconds(), time.perf_counter()
                 run()
+                t1 = time.perf_counter()
                 if rep >= 0:  # -1: the warm-up (workers started, imports done)
-                    times[b].append(time.perf_counter() - t0)
-    return {b: statistics.median(t) for b, t in times.items()}
+                    times[b].append((t1 - t0, cpu_seconds() - c0))
+    return {b: (statistics.median(w for w, _ in t), statistics.median(c for _, c in t)) for b, t in times.items()}
 
 
 def main() -> None:
@@ -118,14 +141,16 @@ def main() -> None:
         f"n_jobs={args.workers}, arraymp start method {method}, median of {args.repeat} warm calls; joblib "
         f"{joblib.__version__}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end"
     )
-    head = " | ".join(f"{b} (s)" for b in backends)
-    ratios = " | ".join(f"{b} / loky" for b in backends if b != "loky")
-    print(f"| workload | {head} | {ratios} |")
-    print("|---" * (1 + 2 * len(backends) - 1) + "|")
-    for name, t in rows:
-        cells = " | ".join(f"{t[b]:.3f}" for b in backends)
-        rel = " | ".join(f"{t[b] / t['loky']:.2f}" for b in backends if b != "loky")
-        print(f"| {name} | {cells} | {rel} |")
+    for i, what in enumerate(["wall", "CPU (all processes)"]):
+        print(f"\n{what} seconds")
+        head = " | ".join(f"{b} (s)" for b in backends)
+        ratios = " | ".join(f"{b} / loky" for b in backends if b != "loky")
+        print(f"| workload | {head} | {ratios} |")
+        print("|---" * (2 * len(backends)) + "|")
+        for name, t in rows:
+            cells = " | ".join(f"{t[b][i]:.3f}" for b in backends)
+            rel = " | ".join(f"{t[b][i] / t['loky'][i]:.2f}" for b in backends if b != "loky")
+            print(f"| {name} | {cells} | {rel} |")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 exceptions, batch_size="auto", generators, timeouts, aborting), arrays both ways by shared memory with the big inputs
 shared once per call, a killed worker failing instead of hanging, and scikit-learn's n_jobs giving loky's scores."""
 
+import gc
 import multiprocessing
 import os
 import pathlib
@@ -320,6 +321,20 @@ def test_return_as_generator_unordered_yields_in_completion_order():
 def _sleep_then(s):
     time.sleep(s)
     return s
+
+
+def test_a_dropped_generator_does_not_break_another_call():
+    g = Parallel(n_jobs=2, backend="arraymp", return_as="generator", batch_size=1)(
+        delayed(_sleep_then)(0.3) for _ in range(6)
+    )
+    assert next(g) == 0.3
+    h = Parallel(n_jobs=2, backend="arraymp", return_as="generator", batch_size=1, timeout=30)(
+        delayed(square)(i) for i in range(20)
+    )
+    with pytest.warns(UserWarning, match="cancelled"):
+        del g  # joblib aborts it: the pool is shared with h, whose tasks must not be killed
+        gc.collect()
+    assert list(h) == [i * i for i in range(20)]  # loky raises "The executor underlying Parallel has been shutdown"
 
 
 def test_lambdas_and_closures_run_under_spawn():
