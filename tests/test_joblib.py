@@ -209,6 +209,16 @@ def test_file_system_strategy_leaves_no_segment_behind():
         mp.set_sharing_strategy(old)
 
 
+def test_a_memory_map_input_is_read_once_into_shared_memory(tmp_path):
+    x = np.random.default_rng(2).random(BIG)
+    joblib.dump(x, tmp_path / "x.joblib")
+    m = joblib.load(tmp_path / "x.joblib", mmap_mode="r")
+    assert isinstance(m, np.memmap)
+    out = Parallel(n_jobs=2, backend="arraymp")(delayed(look)(m, i) for i in range(6))
+    assert all(o[0] and not o[1] for o in out) and len({o[2] for o in out}) == 1  # one shared copy, by handle
+    assert [o[3] for o in out] == list(x[:6])
+
+
 def test_max_nbytes_none_gives_each_task_a_copy_and_r_plus_one_writable_copy():
     x = np.ones(BIG)
     out = Parallel(n_jobs=2, backend="arraymp", max_nbytes=None)(delayed(bump)(x) for i in range(6))

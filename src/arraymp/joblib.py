@@ -14,20 +14,21 @@ What moves by shared memory, and how:
 - **Results**: each batch's results come back through the Pool's channel; an
   array of 64 KiB or more (``arraymp.set_inline_threshold``) is copied once
   into shared memory by the worker and arrives as a view of it, where loky
-  pickles every result through a pipe. A result that is a view of an input
-  shared for the call (below) arrives as a writable copy, as under loky.
-- **Inputs**: an array argument of ``max_nbytes`` (joblib's setting, 1 MB by
-  default) or more given at the top level of a ``delayed`` call is copied into
-  shared memory once per ``Parallel`` call, however many tasks take it; each
-  task sends a handle. Workers see it read-only (loky's default
-  ``mmap_mode="r"``); ``mmap_mode="r+"`` or ``"w+"`` makes it writable (the
-  call's later tasks see the writes, the caller's array never does);
-  ``mmap_mode="c"`` or ``max_nbytes=None`` gives each task a copy of its own.
-  An array already in shared memory (``arraymp.empty_shared``,
-  ``share_memory``, a received one) always travels as a handle, writable:
-  workers write into the caller's memory, which is how to fill a result in
-  place. Smaller arrays and arrays inside other objects go as any argument of
-  our Pool does (inline below 64 KiB, else one segment per task).
+  pickles every result through a pipe. A result that is itself a view of an
+  input shared for the call (below) arrives as a writable copy, as under loky.
+- **Inputs**: an array argument (``numpy.ndarray`` or ``numpy.memmap``) of
+  ``max_nbytes`` (joblib's setting, 1 MB by default) or more, given at the top
+  level of a ``delayed`` call, is copied into shared memory once per
+  ``Parallel`` call however many tasks take it; each task sends a handle.
+  Workers see it read-only (loky's default ``mmap_mode="r"``);
+  ``mmap_mode="r+"`` or ``"w+"`` makes it writable (the call's later tasks see
+  the writes, the caller's array never does); ``mmap_mode="c"`` or
+  ``max_nbytes=None`` gives each task a copy of its own. An array already in
+  shared memory (``arraymp.empty_shared``, ``share_memory``, a received one)
+  always travels as a handle, writable: workers write into the caller's
+  memory, which is how to fill a result in place. Smaller arrays and arrays
+  inside other objects go as any argument of our Pool does (inline below
+  64 KiB, else one segment per task).
 
 Workers are kept between calls, as loky's reusable executor: every call with
 the same ``n_jobs``, start method and thread limits uses the same pool, until
@@ -249,7 +250,7 @@ class ArraympBackend(AutoBatchingMixin, joblib.ParallelBackendBase):
     def _prepare(self, items: list) -> list:
         """A batch's ``(function, args, kwargs)`` items with their functions portable and their big arrays shared;
         an item with neither is kept as it is (batches of thousands of tiny tasks pass through here)."""
-        fork, share, nd = self._key[1] == "fork", self._max_nbytes is not None, np.ndarray
+        fork, share, nd, mm = self._key[1] == "fork", self._max_nbytes is not None, np.ndarray, np.memmap
         last_f = last_g = None  # a batch mostly calls one function
         out = []
         for item in items:
@@ -259,12 +260,12 @@ class ArraympBackend(AutoBatchingMixin, joblib.ParallelBackendBase):
             changed = last_g is not f
             if share:
                 for a in args:
-                    if type(a) is nd:
+                    if type(a) is nd or type(a) is mm:
                         args, changed = tuple([self._share(a) for a in args]), True
                         break
                 if kwargs:
                     for v in kwargs.values():
-                        if type(v) is nd:
+                        if type(v) is nd or type(v) is mm:
                             kwargs, changed = {k: self._share(v) for k, v in kwargs.items()}, True
                             break
             out.append((last_g, args, kwargs) if changed else item)
@@ -272,14 +273,14 @@ class ArraympBackend(AutoBatchingMixin, joblib.ParallelBackendBase):
 
     def _share(self, obj):
         """``obj``, or its shared copy when it is a big array (made once per call: see the module docstring)."""
-        if type(obj) is not np.ndarray or obj.nbytes < max(self._max_nbytes, 1) or obj.dtype.hasobject:
+        if type(obj) not in (np.ndarray, np.memmap) or obj.nbytes < max(self._max_nbytes, 1) or obj.dtype.hasobject:
             return obj
         if is_shared(obj):
             return obj
         with self._inputs_lock:  # joblib dispatches from its callback thread too
             entry = self._inputs.get(id(obj))
-            if entry is None:
-                copy = arraymp.share_memory(obj)
+            if entry is None:  # a memory map is read once here (pickled, it would be copied into every task)
+                copy = arraymp.share_memory(obj.view(np.ndarray) if type(obj) is np.memmap else obj)
                 if not self._writable_inputs:
                     copy.flags.writeable = False
                 entry = self._inputs[id(obj)] = (obj, copy)  # the original kept: its id stays its own
