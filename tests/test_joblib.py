@@ -71,6 +71,16 @@ def kill_self(i):
     return i
 
 
+def thread_limits(_):
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        blas = []
+    else:
+        blas = [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+    return os.environ["OMP_NUM_THREADS"], blas
+
+
 def nested(i):
     backend, n_jobs = joblib.parallel.get_active_backend()
     inner = Parallel(n_jobs=2)(delayed(pid)() for _ in range(4))
@@ -170,6 +180,14 @@ def _alive(p: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+@pytest.mark.parametrize("inner", [None, 3])
+def test_workers_limit_blas_threads_to_their_share(inner):
+    with parallel_config("arraymp", n_jobs=2, inner_max_num_threads=inner):
+        out = Parallel()(delayed(thread_limits)(i) for i in range(4))
+    expected = inner or max(joblib.cpu_count() // 2, 1)
+    assert all(omp == str(expected) and all(n == expected for n in blas) for omp, blas in out), out
 
 
 @pytest.mark.parametrize("method", METHODS)
