@@ -227,6 +227,12 @@ def test_file_system_strategy_leaves_no_segment_behind():
         mp.set_sharing_strategy(old)
 
 
+def test_a_keyword_array_is_shared_once_too():
+    x = np.random.default_rng(3).random(BIG)
+    out = Parallel(n_jobs=2, backend="arraymp")(delayed(look)(x=x, i=i) for i in range(6))
+    assert all(o[0] and not o[1] for o in out) and len({o[2] for o in out}) == 1
+
+
 def test_a_memory_map_input_is_read_once_into_shared_memory(tmp_path):
     x = np.random.default_rng(2).random(BIG)
     joblib.dump(x, tmp_path / "x.joblib")
