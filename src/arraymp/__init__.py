@@ -8,7 +8,8 @@ pickled copies; the Pool also survives dead workers (``WorkerLostError``), and
 Importing arraymp registers the array reductions with the stdlib's
 ForkingPickler once, so stdlib queues and spawn-time Process arguments share
 arrays too. Also: sharing strategies, shared-array constructors, and the
-``spawn`` supervisor.
+``spawn`` supervisor, and ``shared_allocation()``: large numpy arrays born in
+shared memory, sent with no copy at all.
 """
 
 import sys
@@ -27,8 +28,10 @@ from mp_reductions import (
     get_sharing_strategy,
     is_shared,
     set_inline_threshold,
+    set_shared_allocation,
     set_sharing_strategy,
     share_memory,
+    shared_allocation,
     zeros_shared,
 )
 from mp_reductions import (
@@ -70,8 +73,10 @@ __all__ = [
     "get_sharing_strategy",
     "is_shared",
     "set_inline_threshold",
+    "set_shared_allocation",
     "set_sharing_strategy",
     "share_memory",
+    "shared_allocation",
     "spawn",
     "start_processes",
     "zeros_shared",

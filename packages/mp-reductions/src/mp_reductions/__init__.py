@@ -4,9 +4,12 @@ Pickler reductions for ``numpy.ndarray`` (registered with the stdlib's
 ``ForkingPickler`` by ``init_reductions()``), the two sharing strategies, the
 shared-array constructors, Queue / SimpleQueue / JoinableQueue / Pipe whose
 messages carry their arrays' descriptors in the same sendmsg, and a Pool over
-them that survives dead workers.
+them that survives dead workers. ``shared_allocation()`` and
+``set_shared_allocation()`` make numpy place large arrays in shared memory
+from birth (NEP 49), so they travel with no copy at all.
 """
 
+from ._alloc import set_shared_allocation, shared_allocation
 from ._connection import Connection, Pipe
 from ._pool import Pool, WorkerLostError, WorkerStartError
 from ._queues import JoinableQueue, Queue, SimpleQueue
@@ -41,8 +44,10 @@ __all__ = [
     "rebuild_ndarray",
     "reduce_ndarray",
     "set_inline_threshold",
+    "set_shared_allocation",
     "set_sharing_strategy",
     "share_memory",
+    "shared_allocation",
     "zeros_shared",
 ]
 

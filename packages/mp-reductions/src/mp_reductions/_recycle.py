@@ -67,6 +67,9 @@ class _State:
         self.recent: collections.OrderedDict = collections.OrderedDict()  # key -> (segment, last used)
         self.recent_bytes = 0
         self.reaper: threading.Thread | None = None
+        # segments of arrays numpy freed, pooled at the next take or reap (_alloc Note [shared allocation])
+        self.returned: collections.deque = collections.deque()
+        self.lent = 0  # segments lent to numpy arrays (lend) and not yet back in the pool: the reaper runs meanwhile
 
 
 _state = _State()
@@ -88,6 +91,7 @@ def _pick(fits) -> shm_core.Segment | None:
     """Take the smallest free pooled segment that ``fits``."""
     st = _state
     with st.lock:
+        _pool_returned(st)
         best = None
         for i, (seg, _, _) in enumerate(st.pool):
             if fits(seg) and (best is None or seg.size < st.pool[best][0].size) and _free(seg):
@@ -95,13 +99,16 @@ def _pick(fits) -> shm_core.Segment | None:
         return st.pool.pop(best)[0] if best is not None else None
 
 
-def take(nbytes: int, named: bool = False) -> shm_core.Segment:
-    """A free pooled segment (memfd, or ``named``) of at least ``nbytes`` (and not much more), else a new one."""
+def take(nbytes: int, named: bool = False, zero: bool = False) -> shm_core.Segment:
+    """A free pooled segment (memfd, or ``named``) of at least ``nbytes`` (and not much more), else a new one;
+    ``zero``: its first ``nbytes`` read as zeros (a new segment's do already)."""
     seg = _pick(lambda s: bool(s.name) == named and nbytes <= s.size <= 2 * nbytes + (1 << 20))
     if seg is not None:
         try:
             if not named:
                 _shared.fd_for_sending(seg)  # its descriptor may have been closed (_shared Note [descriptors])
+            if zero:
+                np.frombuffer(seg, np.uint8, nbytes).fill(0)
             return seg
         except OSError:
             pass
@@ -152,11 +159,43 @@ def sent(seg: shm_core.Segment) -> None:
     """``seg`` went out in a message: keep it for a later take()."""
     st = _state
     with st.lock:
-        now = time.monotonic()
-        st.pool.append([seg, now, now])
-        while _over(st.pool):
-            _shared.release_fd(st.pool.pop(0)[0])
+        _pool_add(st, seg, time.monotonic())
         _ensure_reaper(st)
+
+
+def _pool_add(st: _State, seg: shm_core.Segment, now: float) -> None:
+    st.pool.append([seg, now, now])
+    while _over(st.pool):
+        _shared.release_fd(st.pool.pop(0)[0])
+
+
+def lend(nbytes: int, zero: bool) -> shm_core.Segment:
+    """A memfd segment for a numpy array's data (the shared handler, _alloc Note [shared allocation]): as
+    take(); it comes back through give_back() when numpy frees the data."""
+    seg = take(nbytes, zero=zero)
+    st = _state
+    with st.lock:
+        st.lent += 1
+        _ensure_reaper(st)
+    return seg
+
+
+def give_back(seg: shm_core.Segment) -> None:
+    """numpy freed the array whose data ``seg`` held: pooled at the next take or reap. Called from numpy's
+    free, in any thread, maybe inside a garbage collection that runs while this thread holds the lock: so it
+    takes none."""
+    _state.returned.append(seg)
+
+
+def _pool_returned(st: _State) -> None:
+    """Pool what give_back() returned (lock held): only the segments this process made and lent; a fork
+    child's inherited ones go (_alloc Note [shared allocation])."""
+    now = time.monotonic()
+    while st.returned:
+        seg = st.returned.popleft()
+        if seg.creator_pid == os.getpid():
+            st.lent -= 1
+            _pool_add(st, seg, now)
 
 
 def _over(pool: list) -> bool:
@@ -210,9 +249,10 @@ def _reap(st: _State) -> None:
 
 def _drop_idle(st: _State) -> bool:
     """Drop what has been idle longer than IDLE (Note [recycling]); True (and no reaper) once nothing is
-    kept. A function of its own: no local of the reaper's loop may keep a dropped segment alive while it
+    kept or lent. A function of its own: no local of the reaper's loop may keep a dropped segment alive while it
     sleeps."""
     with st.lock:
+        _pool_returned(st)
         now = time.monotonic()
         keep = []
         for entry in st.pool:
@@ -228,7 +268,7 @@ def _drop_idle(st: _State) -> bool:
             if now - t > IDLE:
                 del st.recent[key]
                 st.recent_bytes -= seg.length
-        if not st.pool and not st.recent:
+        if not st.pool and not st.recent and not st.lent:
             st.reaper = None
             return True
         return False
@@ -238,6 +278,7 @@ def release_all() -> int:
     """Drop every pooled and recently used segment now; how many were kept."""
     st = _state
     with st.lock:
+        _pool_returned(st)
         for seg, _, _ in st.pool:
             _shared.release_fd(seg)
         kept = len(st.pool) + len(st.recent)

@@ -509,16 +509,26 @@ def _f_strides(shape, itemsize):
 
 
 # ------------------------------------------------------------------------ finding
+#: data address of each numpy allocation the shared handler placed in a segment -> (bytes, this process's view of
+#: the segment): filled by _alloc (Note [shared allocation]); the C handler looks up numpy's frees here
+owned: dict[int, tuple[int, memoryview]] = {}
+
+
 def segment_of(arr: np.ndarray) -> tuple[shm_core.Segment, int] | None:
-    """The segment ``arr`` views and the byte offset of its first element, or None."""
-    base = arr
+    """The segment ``arr`` views (or, numpy's own data, lies in) and the byte offset of its first element, or None."""
+    base = owner = arr
     while isinstance(base, np.ndarray):
-        base = base.base
+        owner, base = base, base.base
     if isinstance(base, memoryview):
         base = base.obj
-    if not isinstance(base, shm_core.Segment):
-        return None
-    return base, shm_core.address(arr) - base.address - _HDR
+    if isinstance(base, shm_core.Segment):
+        return base, shm_core.address(arr) - base.address - _HDR
+    if base is None and owned:  # data numpy allocated: the shared handler's? (any dtype: no buffer export)
+        entry = owned.get(owner.__array_interface__["data"][0])
+        if entry is not None:
+            seg = entry[1].obj
+            return seg, arr.__array_interface__["data"][0] - seg.address - _HDR
+    return None
 
 
 def block_of(arr: np.ndarray, seg: shm_core.Segment) -> int | None:

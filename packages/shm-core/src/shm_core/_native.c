@@ -13,6 +13,10 @@
  *     not part of any array. The mapping lives while any export lives;
  *     close() with live exports raises BufferError as mmap does.
  *   - atomics on 64-bit words inside a Mapping (sequentially consistent).
+ *   - a numpy data-memory handler (NEP 49) that asks a Python policy for a
+ *     segment for each allocation of `threshold` bytes or more and gives it
+ *     back on free; smaller ones go to numpy's default handler (see
+ *     mp_reductions Note [shared allocation]).
  *
  * recv_many wraps recvmmsg (which Python's socket module lacks): several
  * datagrams of a socket in one system call, for readers of many small messages.
@@ -34,6 +38,10 @@
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
+
+#define NPY_NO_DEPRECATED_API NPY_1_22_API_VERSION
+#define NPY_TARGET_VERSION NPY_1_22_API_VERSION /* NEP 49 handlers: numpy >= 1.22 */
+#include <numpy/arrayobject.h>
 
 #ifndef MFD_CLOEXEC
 #define MFD_CLOEXEC 0x0001U
@@ -566,6 +574,201 @@ native_recv_many(PyObject *mod, PyObject *args)
     return res;
 }
 
+/* ------------------------------------------------------- numpy allocator */
+
+/* The policy (mp_reductions Note [shared allocation]): `owned` maps the address
+   of each allocation it served to a tuple whose first item is its size;
+   `take(nbytes, zero)` returns the address of a segment's data (0: use the
+   default), `give(address)` takes one back. Held here for good, so what the
+   registry maps stays mapped through the interpreter's shutdown. */
+static size_t alloc_threshold = SIZE_MAX;
+static PyObject *alloc_owned, *alloc_take, *alloc_give;
+static PyDataMem_Handler *numpy_default;
+static _Thread_local int in_take; /* a numpy allocation made by `take` itself */
+static uintptr_t page_mask;
+#define SEGMENT_DATA 64 /* a segment's data starts 64 bytes (its header) into a page */
+
+static int
+finalizing(void)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    return Py_IsFinalizing();
+#else
+    return _Py_IsFinalizing();
+#endif
+}
+
+static void *
+take_segment(size_t nbytes, int zero)
+{
+    PyGILState_STATE gil;
+    PyObject *type, *value, *tb, *r;
+    void *p = NULL;
+    if (alloc_take == NULL || in_take || nbytes > PY_SSIZE_T_MAX || finalizing())
+        return NULL;
+    gil = PyGILState_Ensure();
+    PyErr_Fetch(&type, &value, &tb); /* numpy may allocate while an exception is set */
+    in_take = 1;
+    r = PyObject_CallFunction(alloc_take, "nO", (Py_ssize_t)nbytes, zero ? Py_True : Py_False);
+    in_take = 0;
+    if (r != NULL) {
+        p = PyLong_AsVoidPtr(r);
+        Py_DECREF(r);
+    }
+    if (PyErr_Occurred()) {
+        PyErr_WriteUnraisable(alloc_take);
+        p = NULL;
+    }
+    PyErr_Restore(type, value, tb);
+    PyGILState_Release(gil);
+    return p;
+}
+
+/* The size of the segment allocation at `p` (-1: not one), GIL held. */
+static Py_ssize_t
+owned_size(void *p)
+{
+    PyObject *key = PyLong_FromVoidPtr(p), *entry;
+    Py_ssize_t size = -1;
+    if (key == NULL)
+        return -1;
+    entry = PyDict_GetItemWithError(alloc_owned, key);
+    Py_DECREF(key);
+    if (entry != NULL && PyTuple_Check(entry) && PyTuple_GET_SIZE(entry) > 0)
+        size = PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 0));
+    return size;
+}
+
+/* Give `p` back to the policy if it is a segment's; 0 when it is not (free it
+   as numpy's). During shutdown a segment is left mapped: the process is
+   ending, and an anonymous segment has no name to leak. */
+static int
+give_segment(void *p)
+{
+    PyGILState_STATE gil;
+    PyObject *type, *value, *tb, *r;
+    int fin, ours;
+    if (alloc_owned == NULL || ((uintptr_t)p & page_mask) != SEGMENT_DATA)
+        return 0;
+    fin = finalizing();
+    if (fin && !PyGILState_Check())
+        return 1; /* cannot look it up without the GIL now: keep it, whatever it is */
+    gil = PyGILState_Ensure();
+    PyErr_Fetch(&type, &value, &tb);
+    ours = owned_size(p) >= 0;
+    if (ours && !fin) {
+        r = PyObject_CallFunction(alloc_give, "N", PyLong_FromVoidPtr(p));
+        Py_XDECREF(r);
+    }
+    if (PyErr_Occurred())
+        PyErr_WriteUnraisable(alloc_give);
+    PyErr_Restore(type, value, tb);
+    PyGILState_Release(gil);
+    return ours || fin;
+}
+
+static void *
+handler_malloc(void *ctx, size_t size)
+{
+    void *p = size >= alloc_threshold ? take_segment(size, 0) : NULL;
+    return p ? p : numpy_default->allocator.malloc(numpy_default->allocator.ctx, size);
+}
+
+static void *
+handler_calloc(void *ctx, size_t nelem, size_t elsize)
+{
+    void *p = NULL;
+    if (elsize == 0 || nelem <= SIZE_MAX / elsize)
+        p = nelem * elsize >= alloc_threshold ? take_segment(nelem * elsize, 1) : NULL;
+    return p ? p : numpy_default->allocator.calloc(numpy_default->allocator.ctx, nelem, elsize);
+}
+
+static void
+handler_free(void *ctx, void *p, size_t size)
+{
+    if (!give_segment(p))
+        numpy_default->allocator.free(numpy_default->allocator.ctx, p, size);
+}
+
+/* A segment's data moves to a new allocation (a segment or numpy's, by size);
+   anything else is numpy's realloc. */
+static void *
+handler_realloc(void *ctx, void *p, size_t size)
+{
+    PyGILState_STATE gil;
+    PyObject *type, *value, *tb;
+    Py_ssize_t old;
+    void *q = NULL;
+    if (alloc_owned != NULL && ((uintptr_t)p & page_mask) == SEGMENT_DATA && !finalizing()) {
+        gil = PyGILState_Ensure();
+        PyErr_Fetch(&type, &value, &tb);
+        old = owned_size(p);
+        PyErr_Clear();
+        if (old >= 0 && (q = handler_malloc(ctx, size)) != NULL) {
+            memcpy(q, p, (size_t)old < size ? (size_t)old : size);
+            handler_free(ctx, p, (size_t)old);
+        }
+        PyErr_Restore(type, value, tb);
+        PyGILState_Release(gil);
+        if (old >= 0)
+            return q;
+    }
+    return numpy_default->allocator.realloc(numpy_default->allocator.ctx, p, size);
+}
+
+static PyDataMem_Handler shared_handler = {
+    "arraymp_shared", 1,
+    {NULL, handler_malloc, handler_calloc, handler_realloc, handler_free},
+};
+
+static int
+numpy_ready(void)
+{
+    if (numpy_default != NULL)
+        return 0;
+    if (_import_array() < 0)
+        return -1;
+    numpy_default = PyCapsule_GetPointer(PyDataMem_DefaultHandler, "mem_handler");
+    return numpy_default == NULL ? -1 : 0;
+}
+
+static PyObject *
+native_set_allocator(PyObject *mod, PyObject *args)
+{
+    Py_ssize_t threshold;
+    PyObject *owned, *take, *give;
+    if (!PyArg_ParseTuple(args, "nO!OO:set_allocator", &threshold, &PyDict_Type, &owned,
+                          &take, &give))
+        return NULL;
+    if (threshold < 1 || !PyCallable_Check(take) || !PyCallable_Check(give)) {
+        PyErr_SetString(PyExc_ValueError, "set_allocator needs a threshold >= 1 and two callables");
+        return NULL;
+    }
+    if (alloc_owned != NULL && alloc_owned != owned) {
+        PyErr_SetString(PyExc_RuntimeError, "the allocator's registry is set once per process");
+        return NULL;
+    }
+    if (numpy_ready() < 0)
+        return NULL;
+    /* the references are kept for good (see above); a later call replaces the callables */
+    Py_INCREF(owned);
+    Py_INCREF(take);
+    Py_INCREF(give);
+    alloc_owned = owned;
+    alloc_take = take;
+    alloc_give = give;
+    alloc_threshold = (size_t)threshold;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+native_swap_handler(PyObject *mod, PyObject *handler)
+{
+    if (numpy_ready() < 0)
+        return NULL;
+    return PyDataMem_SetHandler(handler == Py_None ? NULL : handler);
+}
+
 static PyMethodDef native_methods[] = {
     {"recv_many", native_recv_many, METH_VARARGS,
      "recv_many(fd, buffer, size, flags) -> [(length, msg_flags), ...]: recvmmsg, message k in "
@@ -576,6 +779,10 @@ static PyMethodDef native_methods[] = {
      "memfd_create(name) -> fd (close-on-exec, sealing allowed)."},
     {"fallocate", native_fallocate, METH_VARARGS,
      "fallocate(fd, length, path): reserve the pages (posix_fallocate)."},
+    {"set_allocator", native_set_allocator, METH_VARARGS,
+     "set_allocator(threshold, owned, take, give): the policy of the shared numpy handler."},
+    {"swap_handler", native_swap_handler, METH_O,
+     "swap_handler(capsule or None) -> the previous numpy data-memory handler of this context."},
     {NULL}
 };
 
@@ -587,7 +794,7 @@ static struct PyModuleDef native_module = {
 PyMODINIT_FUNC
 PyInit__native(void)
 {
-    PyObject *m;
+    PyObject *m, *handler;
     if (PyType_Ready(&MappingType) < 0)
         return NULL;
     m = PyModule_Create(&native_module);
@@ -596,6 +803,13 @@ PyInit__native(void)
     Py_INCREF(&MappingType);
     if (PyModule_AddObject(m, "Mapping", (PyObject *)&MappingType) < 0) {
         Py_DECREF(&MappingType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    page_mask = (uintptr_t)sysconf(_SC_PAGESIZE) - 1;
+    handler = PyCapsule_New(&shared_handler, "mem_handler", NULL);
+    if (handler == NULL || PyModule_AddObject(m, "shared_handler", handler) < 0) {
+        Py_XDECREF(handler);
         Py_DECREF(m);
         return NULL;
     }
