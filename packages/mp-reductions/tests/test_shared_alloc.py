@@ -1,0 +1,238 @@
+"""Arrays born in shared memory: numpy's allocations of 1 MiB or more in recycled segments (issue 22, _alloc Note
+[shared allocation]), across real processes under every start method where the start method matters."""
+
+import asyncio
+import gc
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import _alloc_targets as T
+import _targets
+import mp_reductions as mpr
+import numpy as np
+import pytest
+from mp_reductions import _recycle
+
+METHODS = ["fork", "spawn", "forkserver"]
+TIMEOUT = 60
+
+
+@pytest.fixture(params=METHODS)
+def ctx(request):
+    return multiprocessing.get_context(request.param)
+
+
+def memfd_mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return len({line.split()[4] for line in f if "/memfd:arraymp" in line})
+
+
+def born(*args, fill=None):
+    with mpr.shared_allocation():
+        return np.full(*args, fill) if fill is not None else np.zeros(*args)
+
+
+def test_pool_results_are_born_shared_and_equal_to_those_without(ctx):
+    # a Pool of 1: the task that reads the kept result runs where it was made
+    with mpr.Pool(1, initializer=mpr.set_shared_allocation, initargs=(True,), context=ctx) as pool:
+        on = pool.map(T.result_kept, range(4))
+        on[2][:] = -1
+        assert pool.apply(T.kept_value, (2,)) == -1  # the worker's own array: nothing was copied
+    with mpr.Pool(1, context=ctx) as pool:
+        off = pool.map(T.result_kept, range(4))
+        off[2][:] = -1
+        assert pool.apply(T.kept_value, (2,)) == 2  # a copy
+    on[2][:] = off[2][:] = 2
+    assert all(mpr.is_shared(a) for a in on + off)
+    assert [a.tolist() for a in on] == [a.tolist() for a in off] == [[float(i)] * T.N for i in range(4)]
+
+
+def test_queue_sends_a_born_array_and_its_view_without_a_copy(ctx):
+    a = born((512, 1024), np.float32)
+    assert mpr.is_shared(a) and mpr.is_shared(a[:, 1])
+    q, done = mpr.Queue(), mpr.Queue()
+    q.put(a)
+    q.put(a[:, 1])
+    p = ctx.Process(target=_targets.fill_from_queue, args=(q, done, 4))
+    p.start()
+    assert done.get(timeout=TIMEOUT) == "ok"
+    p.join(TIMEOUT)
+    assert p.exitcode == 0 and (a == 4).all()
+
+
+def test_small_arrays_other_threads_and_tasks_are_untouched():
+    with mpr.shared_allocation():
+        assert not mpr.is_shared(np.ones(1000))  # under the threshold: numpy's memory
+        in_thread = []
+        t = threading.Thread(target=lambda: in_thread.append(mpr.is_shared(np.ones(1 << 20))))
+        t.start()
+        t.join()
+        assert in_thread == [False]
+        assert mpr.is_shared(np.ones(1 << 20))
+
+    async def outside():
+        return mpr.is_shared(np.ones(1 << 20))
+
+    async def inside():
+        with mpr.shared_allocation():
+            await asyncio.sleep(0.01)
+            return mpr.is_shared(np.ones(1 << 20))
+
+    async def both():
+        return await asyncio.gather(inside(), outside())
+
+    assert asyncio.run(both()) == [True, False]
+    assert not mpr.is_shared(np.ones(1 << 20))
+
+
+def test_process_wide_switch_and_calloc_of_a_recycled_segment():
+    mpr.set_shared_allocation(True)
+    try:
+        a = np.full(1 << 18, 7.0)
+        seg = mpr_segment(a)
+        del a
+        z = np.zeros(1 << 18)  # calloc: the same segment, recycled, must read zeros
+        assert mpr_segment(z) is seg and not z.any()
+    finally:
+        mpr.set_shared_allocation(False)
+    assert not mpr.is_shared(np.zeros(1 << 18))
+
+
+def mpr_segment(a):
+    from mp_reductions import _shared
+
+    return _shared.segment_of(a)[0]
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_realloc_keeps_values_and_sharing(method):
+    a = born(T.N, np.float32)
+    a[:] = np.arange(T.N)
+    a.resize(2 * T.N, refcheck=False)  # numpy's realloc: a new segment, the data moved
+    assert mpr.is_shared(a) and (a[:T.N] == np.arange(T.N)).all() and not a[T.N:].any()
+    with mpr.shared_allocation():
+        tiled = np.resize(a[:T.N], 3 * T.N)  # np.resize: a new array, under the handler too
+    assert mpr.is_shared(tiled) and (tiled[2 * T.N:] == np.arange(T.N)).all()
+    small = born(T.N, fill=5.0)
+    small.resize(1000, refcheck=False)  # shrunk under the threshold: into numpy's memory
+    assert not mpr.is_shared(small) and (small == 5).all()
+    q, done = mpr.Queue(), mpr.Queue()
+    p = multiprocessing.get_context(method).Process(target=T.double_in_place, args=(q, done))
+    p.start()
+    q.put(a)
+    assert done.get(timeout=TIMEOUT) == "ok"
+    p.join(TIMEOUT)
+    assert (a[:T.N] == 2 * np.arange(T.N)).all()
+
+
+def test_a_view_outlives_its_base_and_the_segment_comes_back():
+    a = born(4 * T.N, fill=3.0)
+    seg = mpr_segment(a)
+    v = a[T.N:2 * T.N]
+    del a
+    gc.collect()
+    q, done = mpr.Queue(), mpr.Queue()
+    p = multiprocessing.get_context("spawn").Process(target=T.double_in_place, args=(q, done))
+    p.start()
+    q.put(v)
+    assert done.get(timeout=TIMEOUT) == "ok"
+    p.join(TIMEOUT)
+    assert (v == 6).all() and mpr_segment(v) is seg
+    del v
+    deadline = time.monotonic() + 10
+    while True:  # numpy freed it: back in the pool, free once the child's view is gone
+        again = born(4 * T.N, np.float32)
+        if mpr_segment(again) is seg or time.monotonic() > deadline:
+            break
+        del again
+        time.sleep(0.05)
+    assert mpr_segment(again) is seg and not again.any()
+
+
+def test_arrays_freed_in_other_threads_go_back_to_the_pool():
+    arrays = [born(T.N, fill=float(i)) for i in range(8)]
+    segments = {id(mpr_segment(a)) for a in arrays}
+    chunks = [arrays[i::4] for i in range(4)]
+    del arrays
+    threads = [threading.Thread(target=chunk.clear) for chunk in chunks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    again = [born(T.N, np.float32) for _ in range(8)]
+    assert {id(mpr_segment(a)) for a in again} == segments and not any(a.any() for a in again)
+
+
+def test_a_fork_child_never_recycles_its_parents_segments():
+    ctx = multiprocessing.get_context("fork")
+    holder = [born(T.N, fill=1.0)]
+    kept = born(T.N, fill=7.0)
+    go, out = ctx.Event(), ctx.Queue()
+    p = ctx.Process(target=T.fork_child_allocates, args=(holder, go, out, 8))
+    p.start()
+    holder.clear()  # the parent's free: its segment waits in its pool for the child's view to go
+    go.set()
+    pid, creators, wrong = out.get(timeout=TIMEOUT)
+    p.join(TIMEOUT)
+    assert p.exitcode == 0 and wrong == 0
+    assert creators == [pid], f"the child handed out segments made by {creators} (it is {pid}, parent {os.getpid()})"
+    assert (kept == 7).all()
+
+
+def test_a_worker_killed_while_holding_handler_memory_leaves_nothing(ctx):
+    before = memfd_mappings()
+    slots = mpr.zeros_shared((1,), np.int64)
+    with mpr.Pool(1, initializer=mpr.set_shared_allocation, initargs=(True,), context=ctx) as pool:
+        got = pool.apply(T.result_kept, (3,))
+        blocked = pool.apply_async(T.hold_then_sleep, (slots, 60))
+        deadline = time.monotonic() + TIMEOUT
+        while slots[0] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        os.kill(int(slots[0]), signal.SIGKILL)
+        with pytest.raises(mpr.WorkerLostError):
+            blocked.get(TIMEOUT)
+        assert (got == 3).all()  # what the parent received stays
+        assert pool.apply(T.result_kept, (5,))[0] == 5  # the replacement serves
+    del got, slots
+    _recycle.release_all()
+    deadline = time.monotonic() + 10
+    while memfd_mappings() > before and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    assert memfd_mappings() <= before
+
+
+def test_off_under_the_file_system_strategy(strategy):
+    a = born(T.N, fill=2.0)
+    assert mpr.is_shared(a) == (strategy == "file_descriptor")
+    q = mpr.Queue()
+    q.put(a)
+    b = q.get(timeout=TIMEOUT)
+    assert (b == 2).all() and b.shape == a.shape
+
+
+def test_interpreter_exit_with_live_handler_arrays_is_clean():
+    # arrays alive at exit: in globals, in a cycle, in a daemon thread freeing as it goes, a view sent and kept
+    code = """if True:
+        import threading, time, numpy as np, mp_reductions as mpr
+        mpr.init_reductions()
+        mpr.set_shared_allocation(True)
+        g = [np.ones(1 << 18) for _ in range(4)]
+        cycle = [np.ones(1 << 18)]; cycle.append(cycle)
+        def churn():
+            while True:
+                a = np.ones(1 << 18); del a
+        threading.Thread(target=churn, daemon=True).start()
+        q = mpr.Queue(); q.put(g[0][10:]); kept = q.get(timeout=30)
+        time.sleep(0.2)
+        print("done")
+    """
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 0 and r.stdout.strip() == "done", r.stderr
+    assert "Exception ignored" not in r.stderr and "Traceback" not in r.stderr, r.stderr
