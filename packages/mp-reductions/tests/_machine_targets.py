@@ -32,13 +32,20 @@ SHARED_KINDS = {
     "arena_size": (1 << 19, mpr.zeros_shared),  # 4 MiB, an arena's size
     "dict": (4096 + 64, None),  # share_memory({"w": 4096 elements, "b": 64 elements})
 }
+#: born in shared memory by numpy itself (the shared handler, _alloc; under file_system numpy's own memory, sent as
+#: a copy): made at half its size and grown in place, so numpy's realloc moves it to a new segment
+BORN_KINDS = {"born": (1 << 18) + 1024}  # 2 MiB + 8 KiB
 #: unshared arrays: over the inline threshold they travel as copies in (recycled) segments, under it inline
 UNSHARED_KINDS = {"copy": 12_800, "copy_large": 40_000, "inline": 100}
 TIMEOUT = 60
 
 
 def nbytes(kind: str) -> int:
-    return 8 * (SHARED_KINDS[kind][0] if kind in SHARED_KINDS else UNSHARED_KINDS[kind])
+    return 8 * ({**BORN_KINDS, **UNSHARED_KINDS}[kind] if kind not in SHARED_KINDS else SHARED_KINDS[kind][0])
+
+
+def travels_shared(kind: str, strategy: str) -> bool:
+    return kind in SHARED_KINDS or kind in BORN_KINDS and strategy == "file_descriptor"
 
 
 def make(kind: str):
@@ -46,6 +53,11 @@ def make(kind: str):
         return mpr.share_memory({"w": np.zeros((64, 64), np.int64), "b": np.zeros(64, np.int64)})
     if kind in UNSHARED_KINDS:
         return np.zeros(UNSHARED_KINDS[kind], np.int64)
+    if kind in BORN_KINDS:
+        with mpr.shared_allocation():
+            a = np.zeros(BORN_KINDS[kind] // 2, np.int64)
+            a.resize(BORN_KINDS[kind], refcheck=False)
+        return a
     elements, constructor = SHARED_KINDS[kind]
     return constructor(elements, np.int64)
 

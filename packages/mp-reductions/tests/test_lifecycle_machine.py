@@ -2,7 +2,8 @@
 
 The test process and two long-lived spawn workers (see _machine_targets) make
 shared arrays of every size class (arena-carved, one segment each, a
-share_memory dict), send, forward, receive back, keep, drop and write them,
+share_memory dict, arrays numpy itself allocated in shared memory and grew
+by realloc: _alloc Note [shared allocation]), send, forward, receive back, keep, drop and write them,
 re-send an array received before more segments than a process may keep
 descriptors for, send unshared arrays (copies through recycled segments), and
 SIGKILL a worker (replaced at once). Every process runs under ``ulimit -n
@@ -48,7 +49,7 @@ PAGE = 4096
 WORKERS = (0, 1)
 HOLDERS = ("p", *WORKERS)  # "p": the test process
 ARENA_KINDS = ("tiny", "small", "page", "arena_max")
-BURST_KINDS = (*ARENA_KINDS, "big", "dict")
+BURST_KINDS = (*ARENA_KINDS, "big", "dict", *targets.BORN_KINDS)
 THRESHOLD = mpr.get_inline_threshold()
 NOFILE = 128  # every process of the machine runs under ulimit -n 128; its arrays may take half of that
 CAN_REOPEN = can_reopen_mappings()
@@ -100,6 +101,8 @@ class Memory:
             return 2 * n
         if self.kind in targets.UNSHARED_KINDS:  # a received copy: a recycled segment of up to 2n + 1 MiB
             return 2 * n + MiB + 2 * PAGE
+        if self.kind in targets.BORN_KINDS:  # a recycled segment, and the one its realloc left, pooled for a while
+            return 3 * n + 2 * MiB + 4 * PAGE
         return 2 * n + 2 * PAGE
 
     def released(self) -> int:
@@ -176,7 +179,7 @@ class Machine(RuleBasedStateMachine):
                                             + len(keys) * max(2 * targets.nbytes(kind), ARENA_MIN_COST))
         for key, value in zip(keys, values, strict=True):
             self.held[h][key] = mid = next(self.ids)
-            self.memory[mid] = Memory(value, kind, self.pid(h), kind in targets.SHARED_KINDS)
+            self.memory[mid] = Memory(value, kind, self.pid(h), targets.travels_shared(kind, self.strategy))
 
     def forget(self, h, key) -> None:
         mid = self.held[h].pop(key)
@@ -222,7 +225,8 @@ class Machine(RuleBasedStateMachine):
         return f"{self.memory[mid]} held as {holders}"
 
     # ------------------------------------------------------------------- rules
-    @rule(h=st.sampled_from(HOLDERS), kind=st.sampled_from([*targets.SHARED_KINDS, *targets.UNSHARED_KINDS]),
+    @rule(h=st.sampled_from(HOLDERS),
+          kind=st.sampled_from([*targets.SHARED_KINDS, *targets.UNSHARED_KINDS, *targets.BORN_KINDS]),
           count=st.integers(1, 3))
     def make(self, h, kind, count):
         self.make_items(h, kind, count)

@@ -218,9 +218,10 @@ def test_off_under_the_file_system_strategy(strategy):
 
 
 def test_interpreter_exit_with_live_handler_arrays_is_clean():
-    # arrays alive at exit: in globals, in a cycle, in a daemon thread freeing as it goes, a view sent and kept
+    # arrays alive at exit: in globals, in a cycle, in a daemon thread freeing as it goes, a view sent and kept,
+    # and in builtins and sys, freed after every other module is gone (numpy's free then must not call Python)
     code = """if True:
-        import threading, time, numpy as np, mp_reductions as mpr
+        import builtins, sys, threading, time, numpy as np, mp_reductions as mpr
         mpr.init_reductions()
         mpr.set_shared_allocation(True)
         g = [np.ones(1 << 18) for _ in range(4)]
@@ -230,6 +231,7 @@ def test_interpreter_exit_with_live_handler_arrays_is_clean():
                 a = np.ones(1 << 18); del a
         threading.Thread(target=churn, daemon=True).start()
         q = mpr.Queue(); q.put(g[0][10:]); kept = q.get(timeout=30)
+        builtins._arraymp_kept = np.ones(1 << 18); sys._arraymp_kept = np.ones(1 << 18)
         time.sleep(0.2)
         print("done")
     """
