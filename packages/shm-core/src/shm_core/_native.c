@@ -598,6 +598,19 @@ finalizing(void)
 #endif
 }
 
+/* An error of the policy cannot reach numpy's caller: it is reported, and a
+   Ctrl-C that arrived meanwhile is raised again at the next check. */
+static void
+report(PyObject *where)
+{
+    if (PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)) {
+        PyErr_Clear();
+        PyErr_SetInterrupt();
+    }
+    else
+        PyErr_WriteUnraisable(where);
+}
+
 static void *
 take_segment(size_t nbytes, int zero)
 {
@@ -616,7 +629,7 @@ take_segment(size_t nbytes, int zero)
         Py_DECREF(r);
     }
     if (PyErr_Occurred()) {
-        PyErr_WriteUnraisable(alloc_take);
+        report(alloc_take);
         p = NULL;
     }
     PyErr_Restore(type, value, tb);
@@ -661,7 +674,7 @@ give_segment(void *p)
         Py_XDECREF(r);
     }
     if (PyErr_Occurred())
-        PyErr_WriteUnraisable(alloc_give);
+        report(alloc_give);
     PyErr_Restore(type, value, tb);
     PyGILState_Release(gil);
     return ours || fin;
@@ -690,8 +703,8 @@ handler_free(void *ctx, void *p, size_t size)
         numpy_default->allocator.free(numpy_default->allocator.ctx, p, size);
 }
 
-/* A segment's data moves to a new allocation (a segment or numpy's, by size);
-   anything else is numpy's realloc. */
+/* A segment's data moves to a new allocation (a segment or numpy's, by size;
+   numpy's while shutting down); anything else is numpy's realloc. */
 static void *
 handler_realloc(void *ctx, void *p, size_t size)
 {
@@ -699,7 +712,9 @@ handler_realloc(void *ctx, void *p, size_t size)
     PyObject *type, *value, *tb;
     Py_ssize_t old;
     void *q = NULL;
-    if (alloc_owned != NULL && ((uintptr_t)p & page_mask) == SEGMENT_DATA && !finalizing()) {
+    if (alloc_owned != NULL && ((uintptr_t)p & page_mask) == SEGMENT_DATA) {
+        if (finalizing() && !PyGILState_Check())
+            return NULL; /* cannot look it up now: numpy raises MemoryError */
         gil = PyGILState_Ensure();
         PyErr_Fetch(&type, &value, &tb);
         old = owned_size(p);
@@ -744,13 +759,13 @@ native_set_allocator(PyObject *mod, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "set_allocator needs a threshold >= 1 and two callables");
         return NULL;
     }
-    if (alloc_owned != NULL && alloc_owned != owned) {
-        PyErr_SetString(PyExc_RuntimeError, "the allocator's registry is set once per process");
+    if (alloc_owned != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "the allocator's policy is set once per process");
         return NULL;
     }
     if (numpy_ready() < 0)
         return NULL;
-    /* the references are kept for good (see above); a later call replaces the callables */
+    /* kept for good (see above) */
     Py_INCREF(owned);
     Py_INCREF(take);
     Py_INCREF(give);
