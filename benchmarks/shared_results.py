@@ -71,17 +71,9 @@ def small(i):
 
 
 # ---------------------------------------------------------------- measuring
-def children() -> list[int]:
-    me, out = str(os.getpid()), []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[1] == me:
-                        out.append(int(pid))
-            except (OSError, IndexError):
-                pass
-    return out
+def workers(pool) -> list[int]:
+    """The pool's worker pids (forkserver's are not children of this process)."""
+    return [p.pid for p in pool._pool]
 
 
 def pss(pids) -> int:
@@ -116,7 +108,7 @@ def peak(pool) -> float:
     """GiB over baseline at the peak of one 1 GiB result (PSS of the parent and its workers)."""
     gc.collect()
     time.sleep(0.3)
-    pids = [os.getpid(), *children()]
+    pids = [os.getpid(), *workers(pool)]
     base, top, done = pss(pids), [0], threading.Event()
 
     def sample():
@@ -135,7 +127,7 @@ def peak(pool) -> float:
 
 
 def worker_growth(pool, tasks) -> float:
-    pids = children()
+    pids = workers(pool)
     early = None
     for k, r in enumerate(pool.imap_unordered(two_mib, range(tasks), chunksize=1), 1):
         del r
