@@ -4,7 +4,7 @@
  * One wrapper per system call that Python's os module lacks or gets wrong
  * for us (memfd_create with our flags, posix_fallocate whose *return value*
  * carries the error, futex wait/wake on shared words), the GIL released
- * around each and EINTR retried; plus the two things Python cannot do:
+ * around each and EINTR retried; plus what Python cannot do:
  *
  *   - Mapping: an mmap'ed region with the buffer protocol that does not keep
  *     the file descriptor (Python's mmap keeps a dup of it, which makes a
