@@ -13,9 +13,11 @@ travels as a handle). Workloads, 2 workers by default:
 - ``peak``: one 1 GiB result, ``pool.apply``: the highest sum of the
   proportional set sizes (PSS: shared pages counted once) of the parent and
   its workers over the call, sampled every 5 ms, minus the same sum before it;
-- ``rss`` (fork only): each worker's resident memory after ``--tasks // 10``
-  and after ``--tasks`` tasks of ``imap_unordered`` returning 2 MiB arrays the
-  parent drops at once (growth = end / early);
+- ``rss`` (fork only): each worker's private resident memory (RssAnon) after
+  ``--tasks // 10`` and after ``--tasks`` tasks of ``imap_unordered`` returning
+  2 MiB arrays the parent drops at once (growth = end / early), and the shared
+  memory a worker maps at the end (RssShmem: its recycling pool, bounded by
+  _recycle.POOL_MAX and KEEP_BYTES, sized by the results in flight);
 - ``small`` (fork only): ``pool.map`` of ``--tasks // 2`` tasks returning 8 KB
   arrays (median of ``--repeat``), and in the parent ``np.ones(128) + 1`` under
   the handler against numpy's default (arrays under 1 MiB go to numpy's own
@@ -87,9 +89,11 @@ def pss(pids) -> int:
     return total
 
 
-def rss(pid: int) -> int:
+def rss(pid: int) -> tuple[int, int]:
+    """(private, shared) resident bytes of ``pid``: RssAnon, and RssShmem (the segments it maps)."""
     with open(f"/proc/{pid}/status") as f:
-        return sum(int(line.split()[1]) << 10 for line in f if line.startswith(("RssAnon:", "RssShmem:")))
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["RssAnon"].split()[0]) << 10, int(fields["RssShmem"].split()[0]) << 10
 
 
 def timed_maps(pool, func, n, repeat) -> tuple[float, float]:
@@ -126,7 +130,9 @@ def peak(pool) -> float:
     return (top[0] - base) / (1 << 30)
 
 
-def worker_growth(pool, tasks) -> float:
+def worker_growth(pool, tasks) -> tuple[float, float]:
+    """The largest growth of a worker's private memory from task ``tasks // 10`` to the last, and the most shared
+    memory (MiB) a worker maps at the end (its recycling pool: it follows the results in flight, not the count)."""
     pids = workers(pool)
     early = None
     for k, r in enumerate(pool.imap_unordered(two_mib, range(tasks), chunksize=1), 1):
@@ -134,7 +140,8 @@ def worker_growth(pool, tasks) -> float:
         if k == tasks // 10:
             early = {pid: rss(pid) for pid in pids}
     end = {pid: rss(pid) for pid in pids}
-    return max(end[pid] / early[pid] for pid in pids if pid in early and pid in end)
+    return (max(end[pid][0] / early[pid][0] for pid in pids if pid in early and pid in end),
+            max(shared for _, shared in end.values()) / MiB)
 
 
 def small_alloc(system) -> float:
@@ -202,12 +209,12 @@ def main() -> int:
             rows[system] = json.loads(proc.stdout.strip().splitlines()[-1])
         print(f"\nstart method {method}")
         print(f"{'system':8} {'big cold':>9} {'big warm':>9} {'many cold':>10} {'many warm':>10} {'peak GiB':>9}"
-              + (f" {'rss growth':>10} {'small map':>10} {'alloc us':>9}" if method == "fork" else ""))
+              + (f" {'rss growth':>10} {'pool MiB':>8} {'small map':>10} {'alloc us':>9}" if method == "fork" else ""))
         for system, r in rows.items():
             line = (f"{system:8} {r['big'][0]:9.3f} {r['big'][1]:9.3f} {r['many'][0]:10.3f} {r['many'][1]:10.3f} "
                     f"{r['peak']:9.2f}")
             if method == "fork":
-                line += f" {r['rss']:10.2f} {r['small']:10.3f} {r['alloc'] * 1e6:9.2f}"
+                line += f" {r['rss'][0]:10.2f} {r['rss'][1]:8.0f} {r['small']:10.3f} {r['alloc'] * 1e6:9.2f}"
             print(line)
         if {"stdlib", "off", "on"} <= rows.keys():
             on, off, std = rows["on"], rows["off"], rows["stdlib"]
