@@ -1,10 +1,10 @@
 """Results born in shared memory (issue 22): the stdlib Pool against arraymp's with shared allocation off and on.
 
 Three systems, each in a fresh process per start method: ``stdlib`` (the
-stdlib Pool, plain pickling), ``off`` (arraymp's Pool: a result is copied once
-into a recycled segment), ``on`` (arraymp's Pool whose workers call
-``set_shared_allocation(True)`` at start: a result is born in a segment and
-travels as a handle). Workloads, 2 workers by default:
+stdlib Pool, plain pickling), ``off`` (arraymp's ``Pool(shared_results=False)``:
+a result is copied once into a recycled segment), ``on`` (arraymp's Pool as it
+comes, ``shared_results=True``: a result is born in a segment and travels as a
+handle). Workloads, 2 workers by default:
 
 - ``big``: ``pool.map(f, range(8))``, each result a 128 MiB float32 array;
 - ``many``: ``pool.map(f, range(200))``, each result a 4 MiB float32 array;
@@ -163,7 +163,7 @@ def run_one(system: str, method: str, workers: int, repeat: int, tasks: int) -> 
         import arraymp
 
         ctx = arraymp.get_context(method)
-        init = {"initializer": arraymp.set_shared_allocation, "initargs": (True,)} if system == "on" else {}
+        init = {"shared_results": system == "on"}
     out = {"system": system, "method": method}
     with ctx.Pool(workers, **init) as pool:
         out["big"] = timed_maps(pool, big, 8, repeat)

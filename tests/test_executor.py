@@ -137,3 +137,18 @@ def test_big_array_as_initargs(method):
                                 initargs=(np.arange(1_000_000.0),)) as ex:  # 8 MB
         got = [ex.submit(initarg_summary).result(timeout=120) for _ in range(4)]
     assert got == [(float(np.arange(1_000_000.0).sum()), (1_000_000,), "<f8")] * 4
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_results_are_born_shared_unless_told_otherwise(method):
+    # shared_results (default True): a worker's fresh 2 MiB result is the worker's own array, not a copy
+    ctx = mp.get_context(method)
+    for shared, expected in ((True, -1.0), (False, 2.0)):
+        with mp.ProcessPoolExecutor(1, mp_context=ctx, shared_results=shared) as ex:
+            got = list(ex.map(_work.result_kept, range(4)))
+            got[2][:] = -1
+            assert ex.submit(_work.kept_value, 2).result(timeout=60) == expected
+            assert [float(a[0]) for a in got] == [0.0, 1.0, -1.0, 3.0]
+    with mp.get_context(method).ProcessPoolExecutor(1, shared_results=False, initializer=_work.set_env,
+                                                    initargs=("ARRAYMP_T", "1")) as ex:  # the initializer still runs
+        assert ex.submit(_work.get_env, "ARRAYMP_T").result(timeout=60) == "1"

@@ -42,14 +42,17 @@ class _ArrayContext:
 
         return Pipe(duplex)
 
-    def Pool(self, processes=None, initializer=None, initargs=(), maxtasksperchild=None):
+    def Pool(self, processes=None, initializer=None, initargs=(), maxtasksperchild=None, *, shared_results=True):
         from mp_reductions import Pool
 
-        return Pool(processes, initializer, initargs, maxtasksperchild, context=self.get_context())
+        return Pool(processes, initializer, initargs, maxtasksperchild, context=self.get_context(),
+                    shared_results=shared_results)
 
-    def ProcessPoolExecutor(self, max_workers=None, initializer=None, initargs=(), max_tasks_per_child=None):
+    def ProcessPoolExecutor(self, max_workers=None, initializer=None, initargs=(), max_tasks_per_child=None, *,
+                            shared_results=True):
         kw = {} if max_tasks_per_child is None else {"max_tasks_per_child": max_tasks_per_child}
-        return ProcessPoolExecutor(max_workers, self.get_context(), initializer, initargs, **kw)
+        return ProcessPoolExecutor(max_workers, self.get_context(), initializer, initargs,
+                                   shared_results=shared_results, **kw)
 
     def get_context(self, method=None, **kwargs):
         if method is None:
@@ -137,13 +140,19 @@ class ProcessPoolExecutor(futures.ProcessPoolExecutor):
     executor's call queue is the stdlib's, which shares arrays by descriptor
     passing once the reductions are registered. Workers that retire at
     ``max_tasks_per_child`` are replaced where the stdlib's executor hangs
-    (Note [replacing workers]).
+    (Note [replacing workers]). ``shared_results`` (default True): arrays of
+    1 MiB or more that the workers make are born in shared memory, so results
+    come back with no copy (``mp_reductions.shared_allocation``).
     """
 
-    def __init__(self, max_workers=None, mp_context=None, initializer=None, initargs=(), **kwargs):
+    def __init__(self, max_workers=None, mp_context=None, initializer=None, initargs=(), *, shared_results=True,
+                 **kwargs):
         if mp_context is None:  # as the stdlib's: spawn when workers are replaced (max_tasks_per_child)
             mp_context = default_context.get_context("spawn" if kwargs.get("max_tasks_per_child") is not None else None)
-        super().__init__(max_workers, mp_context, initializer, initargs, **kwargs)
+        if initializer is not None and not callable(initializer):
+            raise TypeError("initializer must be a callable")
+        # each worker sets shared allocation for its results first (mp_reductions Note [shared allocation])
+        super().__init__(max_workers, mp_context, _start_worker, (shared_results, initializer, initargs), **kwargs)
 
     def _adjust_process_count(self):
         # The stdlib calls this from submit() and, when a worker retired at max_tasks_per_child, from its manager
@@ -162,6 +171,16 @@ class ProcessPoolExecutor(futures.ProcessPoolExecutor):
                                            self._initargs, self._max_tasks_per_child))
         p.start()
         manager.processes[p.pid] = p
+
+
+def _start_worker(shared_results: bool, initializer, initargs) -> None:
+    """An executor worker's first call: its results are born in shared memory (or not), then the user's
+    initializer runs."""
+    from mp_reductions import set_shared_allocation
+
+    set_shared_allocation(shared_results)
+    if initializer is not None:
+        initializer(*initargs)
 
 
 # Note [replacing workers]

@@ -38,12 +38,12 @@ def born(*args, fill=None):
 
 
 def test_pool_results_are_born_shared_and_equal_to_those_without(ctx):
-    # a Pool of 1: the task that reads the kept result runs where it was made
-    with mpr.Pool(1, initializer=mpr.set_shared_allocation, initargs=(True,), context=ctx) as pool:
+    # a Pool of 1: the task that reads the kept result runs where it was made; on by default
+    with mpr.Pool(1, context=ctx) as pool:
         on = pool.map(T.result_kept, range(4))
         on[2][:] = -1
         assert pool.apply(T.kept_value, (2,)) == -1  # the worker's own array: nothing was copied
-    with mpr.Pool(1, context=ctx) as pool:
+    with mpr.Pool(1, context=ctx, shared_results=False) as pool:
         off = pool.map(T.result_kept, range(4))
         off[2][:] = -1
         assert pool.apply(T.kept_value, (2,)) == 2  # a copy

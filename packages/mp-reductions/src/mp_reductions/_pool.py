@@ -155,6 +155,7 @@ import shm_core
 import shm_manager
 
 from . import _recycle
+from ._alloc import set_shared_allocation
 from ._channel import INLINE, Packet, check_openable, loads, recv_raw
 from ._queues import SimpleQueue
 from ._reductions import MAX_FDS, init_reductions
@@ -277,14 +278,16 @@ def _next_task(reader, waiter, dirty: bool):
 
 
 def worker(inqueue, outqueue, initializer=None, initargs=(), maxtasks=None, wrap_exception=False, group=None,
-           short=None):
+           short=None, shared_results=False):
     """The stdlib's pool worker on its own slot's queue, plus the group, the heads, batches, short results
-    (sent on ``short``, Note [batches]) and the garbage collections."""
+    (sent on ``short``, Note [batches]), results born in shared memory (``shared_results``: Note [shared
+    allocation]) and the garbage collections."""
     if maxtasks is not None and not (isinstance(maxtasks, int) and maxtasks >= 1):
         raise AssertionError(f"Maxtasks {maxtasks!r} is not valid")
     if group is not None:
         shm_manager.join_group(group)  # see Note [group]
     init_reductions()
+    set_shared_allocation(shared_results)  # False too: a fork child inherits its parent's setting
     out = outqueue._writer._sock
     inqueue._writer.close()
     outqueue._reader.close()
@@ -414,8 +417,9 @@ class _Slots:
     Passed where the stdlib passes the inqueue; ``put`` is the task handler's ``put``.
     """
 
-    def __init__(self, processes: int, cache, batches: bool = True):
+    def __init__(self, processes: int, cache, batches: bool = True, shared_results: bool = True):
         self.cache = cache
+        self.shared_results = shared_results  # the workers' arrays are born in shared memory (Note [shared allocation])
         self.lock = threading.Lock()  # taken directly where no one waits: a Condition's with costs more
         self.cond = threading.Condition(self.lock)
         self.queues = [SimpleQueue() for _ in range(processes)]
@@ -674,9 +678,13 @@ class Pool(mp_pool.Pool):
     ``context`` chooses the start method (any ``multiprocessing`` context);
     the queues are always ours. A worker that dies while running a task fails
     that task's result with :class:`WorkerLostError` and is replaced.
+    ``shared_results`` (default True): arrays of 1 MiB or more that the
+    workers make are born in shared memory, so results come back with no copy
+    (``shared_allocation``; off under the file_system strategy).
     """
 
-    def __init__(self, processes=None, initializer=None, initargs=(), maxtasksperchild=None, context=None):
+    def __init__(self, processes=None, initializer=None, initargs=(), maxtasksperchild=None, context=None, *,
+                 shared_results=True):
         # The stdlib's __init__ (3.10-3.13 alike), with this class's handlers as the threads' targets.
         self._pool = []
         self._state = mp_pool.INIT
@@ -688,6 +696,7 @@ class Pool(mp_pool.Pool):
         self._maxtasksperchild = maxtasksperchild
         self._initializer = initializer
         self._initargs = initargs
+        self._shared_results = bool(shared_results)
 
         if processes is None:
             processes = getattr(os, "process_cpu_count", os.cpu_count)() or 1
@@ -739,7 +748,8 @@ class Pool(mp_pool.Pool):
 
     def _setup_queues(self):
         # the stdlib's name: every handler gets it as its inqueue
-        self._inqueue = _Slots(self._processes, self._cache, batches=self._maxtasksperchild is None)
+        self._inqueue = _Slots(self._processes, self._cache, batches=self._maxtasksperchild is None,
+                               shared_results=self._shared_results)
         self._outqueue = SimpleQueue()
         self._quick_put = self._inqueue.put
 
@@ -771,7 +781,8 @@ class Pool(mp_pool.Pool):
             if w is not None:
                 continue
             w = Process(ctx, target=worker, args=(inqueue.queues[k], outqueue, initializer, initargs,
-                                                  maxtasksperchild, wrap_exception, group, inqueue.short))
+                                                  maxtasksperchild, wrap_exception, group, inqueue.short,
+                                                  inqueue.shared_results))
             w.name = w.name.replace("Process", "PoolWorker")
             w.daemon = True
             w.start()
