@@ -152,3 +152,22 @@ def test_results_are_born_shared_unless_told_otherwise(method):
     with mp.get_context(method).ProcessPoolExecutor(1, shared_results=False, initializer=_work.set_env,
                                                     initargs=("ARRAYMP_T", "1")) as ex:  # the initializer still runs
         assert ex.submit(_work.get_env, "ARRAYMP_T").result(timeout=60) == "1"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_call_that_cannot_be_pickled_fails_alone_and_a_killed_worker_breaks_the_pool(method):
+    # Note [call queue]: our call queue pickles in the manager thread; an unpicklable call fails its own future (the
+    # stdlib's _SafeQueue hook), the others run; a worker killed mid-call breaks the executor as the stdlib's does
+    import threading
+
+    with mp.ProcessPoolExecutor(2, mp_context=mp.get_context(method)) as ex:
+        bad = ex.submit(_work.double, threading.Lock())
+        good = [ex.submit(_work.double, i) for i in range(20)]
+        with pytest.raises(TypeError, match="pickle"):
+            bad.result(timeout=60)
+        assert [f.result(timeout=60) for f in good] == [2 * i for i in range(20)]
+        doomed = ex.submit(_work.die)
+        with pytest.raises(concurrent.futures.process.BrokenProcessPool):
+            doomed.result(timeout=60)
+        with pytest.raises(concurrent.futures.process.BrokenProcessPool):
+            ex.submit(_work.double, 1).result(timeout=60)

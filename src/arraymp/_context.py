@@ -153,6 +153,12 @@ class ProcessPoolExecutor(futures.ProcessPoolExecutor):
             raise TypeError("initializer must be a callable")
         # each worker sets shared allocation for its results first (mp_reductions Note [shared allocation])
         super().__init__(max_workers, mp_context, _start_worker, (shared_results, initializer, initargs), **kwargs)
+        stdlib = self._call_queue
+        self._call_queue = _CallQueue(  # Note [call queue]
+            stdlib._maxsize, ctx=self._mp_context, pending_work_items=self._pending_work_items,
+            shutdown_lock=self._shutdown_lock, thread_wakeup=self._executor_manager_thread_wakeup)
+        self._call_queue._ignore_epipe = True
+        stdlib.close()  # never used: no feeder thread to join
 
     def _adjust_process_count(self):
         # The stdlib calls this from submit() and, when a worker retired at max_tasks_per_child, from its manager
@@ -173,6 +179,17 @@ class ProcessPoolExecutor(futures.ProcessPoolExecutor):
         manager.processes[p.pid] = p
 
 
+def _call_queue_base():
+    from mp_reductions import Queue
+
+    return Queue
+
+
+class _CallQueue(_futures_process._SafeQueue, _call_queue_base()):
+    """The executor's call queue: the stdlib's ``_SafeQueue`` (a call that cannot be pickled fails its future)
+    over our Queue (Note [call queue])."""
+
+
 def _start_worker(shared_results: bool, initializer, initargs) -> None:
     """An executor worker's first call: its results are born in shared memory (or not), then the user's
     initializer runs."""
@@ -181,6 +198,17 @@ def _start_worker(shared_results: bool, initializer, initargs) -> None:
     set_shared_allocation(shared_results)
     if initializer is not None:
         initializer(*initargs)
+
+
+# Note [call queue]
+# ~~~~~~~~~~~~~~~~~
+# concurrent.futures sends each call through its _SafeQueue, a multiprocessing Queue whose put hands the item to a
+# feeder thread that pickles and writes it: a thread switch per call in the executor's process, which makes tiny
+# calls cost more than the work. Ours pickles and sends in the thread that puts (the executor's manager thread),
+# carries arrays by shared memory, and holds no lock a killed worker could leave held; _SafeQueue's
+# _on_queue_feeder_error still fails the future of a call that cannot be pickled (our Queue calls a subclass's
+# hook at put). The stdlib's manager thread only puts, checks full(), closes and joins it (and, from Python 3.12,
+# calls _terminate_broken), all of which our Queue has.
 
 
 # Note [replacing workers]
