@@ -475,8 +475,8 @@ class _Slots:
 
     def _send_ready(self) -> None:
         """Send ready tasks to the slots holding fewest unfinished messages while they hold fewer than DEPTH (the
-        lock held): to a slot whose worker is busy, short tasks only once a whole batch is ready (Note
-        [batches]); with none ready, move to a slot holding none a message queued behind a running one."""
+        lock held), each message one task or a batch (Note [batches]); with none ready, move to a slot holding
+        none a message queued behind a running one."""
         while True:
             lengths = list(map(len, self.sent))
             k = lengths.index(min(lengths))
@@ -492,7 +492,9 @@ class _Slots:
                 self.cond.notify()  # the task handler pickles the next ones in a burst, not one by one
             buffers = _message(items)
             try:  # never blocks: the queue holds DEPTH messages
-                items[0][1].send(self.queues[k]._writer._sock) if len(items) == 1 else \
+                if len(items) == 1:
+                    items[0][1].send(self.queues[k]._writer._sock)
+                else:
                     shm_core.send_fds(self.queues[k]._writer._sock, buffers)
             except Exception as e:
                 for task, packet, _ in items:
