@@ -142,3 +142,15 @@ def test_demo_draws_progress_bars_on_a_terminal():
             os.close(follower)
     text = seen.decode(errors="replace")
     assert "\r" in text and "100%" in text and "16/16 msg" in text, text[-2000:]
+
+
+def test_bench_overhead_prints_each_workload_with_its_ratio(capsys):
+    # the short form of `python -m arraymp bench --overhead`: every row of the table, with a ratio
+    from arraymp._overhead import POOL, main
+
+    assert main(n=200, repeat=1, methods=("fork",)) == 0
+    out = capsys.readouterr().out
+    for row in [*POOL, "submit", "ping-pong Queue (us)", "handles/s vs 4 KiB pickled/s"]:
+        (line,) = [line for line in out.splitlines() if line.startswith(f"| {row} |")]
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert len(cells) == 4 and float(cells[3]) > 0, line

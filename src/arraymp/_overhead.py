@@ -21,6 +21,7 @@ with their ratio (< 1: arraymp takes less time).
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import statistics
 import time
@@ -97,6 +98,15 @@ def _partner(ctx, kind, inbox, outbox, n):
     return p
 
 
+def _round_trip(send, receive, n: int) -> float:
+    """Seconds per round trip: ``n`` times ``send()`` then ``receive()`` (the partner echoes)."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        send()
+        receive()
+    return (time.perf_counter() - t0) / n
+
+
 def messages(method: str, n: int, repeat: int) -> dict[str, tuple[float, float]]:
     """{row: (floor, arraymp)}: ping-pong seconds per round trip, and stream messages per second."""
     import arraymp
@@ -111,19 +121,11 @@ def messages(method: str, n: int, repeat: int) -> dict[str, tuple[float, float]]
         left, right = std.Pipe()
         p = _partner(std, "bytes", right, right, n)
         data = a16.tobytes()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            left.send_bytes(data)
-            left.recv_bytes()
-        floor = (time.perf_counter() - t0) / n
+        floor = _round_trip(functools.partial(left.send_bytes, data), left.recv_bytes, n)
         p.join()
         q1, q2 = ours.Queue(), ours.Queue()
         p = _partner(ours, "pingpong", q1, q2, n)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            q1.put(a16)
-            q2.get()
-        trip = (time.perf_counter() - t0) / n
+        trip = _round_trip(functools.partial(q1.put, a16), q2.get, n)
         p.join()
         pair = out.setdefault("ping-pong Queue (us)", ([], []))
         pair[0].append(floor * 1e6)
