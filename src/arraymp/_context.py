@@ -18,6 +18,9 @@ from concurrent import futures
 from concurrent.futures import process as _futures_process
 from multiprocessing import context as mpc
 
+from mp_reductions import Queue as _Queue
+from mp_reductions import set_shared_allocation
+
 
 class _ArrayContext:
     """Mixed into each stdlib context: the channels that move arrays by shared memory."""
@@ -136,9 +139,8 @@ default_context = DefaultContext()
 class ProcessPoolExecutor(futures.ProcessPoolExecutor):
     """``concurrent.futures.ProcessPoolExecutor`` whose ``mp_context`` defaults to ``arraymp.get_context()``.
 
-    Results come back through our SimpleQueue (arrays by shared memory); the
-    executor's call queue is the stdlib's, which shares arrays by descriptor
-    passing once the reductions are registered. Workers that retire at
+    Calls go through our Queue (Note [call queue]) and results come back
+    through our SimpleQueue, arrays by shared memory both ways. Workers that retire at
     ``max_tasks_per_child`` are replaced where the stdlib's executor hangs
     (Note [replacing workers]). ``shared_results`` (default True): arrays of
     1 MiB or more that the workers make are born in shared memory, so results
@@ -179,13 +181,7 @@ class ProcessPoolExecutor(futures.ProcessPoolExecutor):
         manager.processes[p.pid] = p
 
 
-def _call_queue_base():
-    from mp_reductions import Queue
-
-    return Queue
-
-
-class _CallQueue(_futures_process._SafeQueue, _call_queue_base()):
+class _CallQueue(_futures_process._SafeQueue, _Queue):
     """The executor's call queue: the stdlib's ``_SafeQueue`` (a call that cannot be pickled fails its future)
     over our Queue (Note [call queue])."""
 
@@ -193,8 +189,6 @@ class _CallQueue(_futures_process._SafeQueue, _call_queue_base()):
 def _start_worker(shared_results: bool, initializer, initargs) -> None:
     """An executor worker's first call: its results are born in shared memory (or not), then the user's
     initializer runs."""
-    from mp_reductions import set_shared_allocation
-
     set_shared_allocation(shared_results)
     if initializer is not None:
         initializer(*initargs)

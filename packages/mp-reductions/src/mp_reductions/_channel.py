@@ -153,8 +153,9 @@ def _pickle_once(obj, out: Outgoing, head: bytes) -> tuple[Outgoing, bytes | mem
         pickler.clear_memo()
         if mine:
             r.busy = False
-    if mine and buf.tell() > _REUSE_MAX:
-        r.key = None  # a new pair next time: this buffer goes with its message
+    if not mine or buf.tell() > _REUSE_MAX:  # a buffer that goes with its message: no copy
+        if mine:
+            r.key = None  # a new pair next time
         return out, buf.getbuffer()
     return out, buf.getvalue()
 

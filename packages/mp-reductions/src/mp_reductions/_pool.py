@@ -166,8 +166,9 @@ BATCH_TIME = 0.002  # seconds of work a batch of short tasks is made to hold (No
 _BATCH_BYTES = INLINE - 4096  # a batch's bodies at most: its head and kind byte fit in the rest of a message
 _RESULT = struct.Struct("<qqd")  # a short result's frame: job, index, seconds its task took (Note [batches])
 _SHORT_MAX = 2048  # bytes of a short result's message at most
+_SHORT_READ = 64  # short results read per system call at most (shm_core.recv_many's limit)
 _TRUNCATED = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)  # an int: the enum's & costs microseconds
-GC_INTERVAL = 0.1  # seconds between full collections in a busy worker (one costs ~2.5 ms)
+GC_INTERVAL = 0.1  # seconds between full collections in a busy worker (after gc.freeze: only what tasks made)
 _IDLE_WAIT = 0.05  # a worker that finds no task within this collects before blocking
 _BACKOFF = (0.01, 1.0)  # first and longest wait before a handler retries what failed
 _WAKE = "wake"  # the head of the worker handler's nudge to the result handler: deaths were recorded
@@ -311,7 +312,7 @@ def worker(inqueue, outqueue, initializer=None, initargs=(), maxtasks=None, wrap
     gc.collect()
     gc.freeze()  # what it has now lives as long as it does: collections look at what tasks made only
 
-    completed, dirty, last_gc = 0, False, time.monotonic()
+    completed, dirty, last_gc = 0, False, time.perf_counter()
     while maxtasks is None or completed < maxtasks:
         try:
             head, body, fds = _next_task(inqueue._reader, waiter, dirty)
@@ -325,13 +326,13 @@ def worker(inqueue, outqueue, initializer=None, initargs=(), maxtasks=None, wrap
             body = fds = None
             t0 = time.perf_counter()
             result = _run(task, task_fds, wrap_exception)
-            _send_result(out, short, job, i, time.perf_counter() - t0, result)
+            now = time.perf_counter()  # one clock for the task's time and the collections'
+            _send_result(out, short, job, i, now - t0, result)
             task = task_fds = result = None
             completed += 1
-            now = time.monotonic()
             if now - last_gc >= GC_INTERVAL:
                 gc.collect()
-                dirty, last_gc = False, time.monotonic()
+                dirty, last_gc = False, time.perf_counter()
             else:
                 dirty = True
         head = body = fds = None
@@ -342,6 +343,7 @@ def worker(inqueue, outqueue, initializer=None, initargs=(), maxtasks=None, wrap
 def _send_result(out, short, job, i, seconds: float, result: tuple) -> None:
     """Send one task's result: on ``short`` framed by _RESULT if it is plain and small, else on ``out`` with the
     head (job, i, seconds) (Note [batches])."""
+    packet = None
     try:
         head = pickle.dumps((job, i, seconds))
         packet = Packet(result, head=head)
@@ -351,6 +353,8 @@ def _send_result(out, short, job, i, seconds: float, result: tuple) -> None:
         else:
             packet.send(out)
     except Exception as e:
+        if packet is not None:  # made but not sent: what it holds goes back
+            packet.discard()
         wrapped = _encoding_error(e, result[1])
         util.debug(f"Possible encoding error while sending result: {wrapped}")
         _send(out, (job, i, seconds), (False, wrapped))
@@ -866,7 +870,7 @@ class Pool(mp_pool.Pool):
             if result is not None:
                 result._set(i, obj)
 
-        short, frames = slots.short._reader._sock, memoryview(bytearray(64 * _SHORT_MAX))
+        short, frames = slots.short._reader._sock, memoryview(bytearray(_SHORT_READ * _SHORT_MAX))
         waiter = select.poll()
         for fd in (reader.fileno(), short.fileno()):
             waiter.register(fd, select.POLLIN)
@@ -894,7 +898,7 @@ class Pool(mp_pool.Pool):
                         deliver(job, i, known, frames[start:end], None)
                     except Exception:  # a callback raised: the stdlib's would die
                         log.exception("the pool's result handler could not deliver a result")
-                if len(got) < 64:
+                if len(got) < _SHORT_READ:
                     return
 
         pending = collections.deque()  # a result taken but not opened yet (_channel Note [opening named segments])
