@@ -775,6 +775,10 @@ class Pool(mp_pool.Pool):
                                 task_handler, result_handler, cache)
         inqueue.drain()  # every worker and handler has been joined: nothing takes from the slots any more
         _recycle.release_all()
+        # Nothing uses the channels any more: their descriptors go now, not when a traceback that holds the
+        # pool (a `with` block left by an exception) is collected.
+        for q in (*inqueue.queues, inqueue.short, outqueue, change_notifier):
+            q.close()
 
     @staticmethod
     def _repopulate_pool_static(ctx, Process, processes, pool, inqueue, outqueue, initializer, initargs,
