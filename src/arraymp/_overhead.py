@@ -79,11 +79,14 @@ def tasks(method: str, n: int, repeat: int, workers: int) -> dict[str, tuple[flo
 
 
 def _echo(kind: str, inbox, outbox, n: int) -> None:
-    """The other end: ``n`` messages back (``pingpong``), or taken and counted (``stream``), then a time."""
+    """The other end: once started, one message to say so; then ``n`` messages back (``pingpong``), or taken and
+    counted (``stream``), then a time."""
     if kind == "bytes":
+        outbox.send_bytes(b"")
         for _ in range(n):
             outbox.send_bytes(inbox.recv_bytes())
         return
+    outbox.put(None)
     for _ in range(n):
         a = inbox.get()
         if kind == "pingpong":
@@ -92,9 +95,11 @@ def _echo(kind: str, inbox, outbox, n: int) -> None:
         outbox.put(time.perf_counter())
 
 
-def _partner(ctx, kind, inbox, outbox, n):
+def _partner(ctx, kind, inbox, outbox, n, mine=None):
+    """The other end, started (its start-up is never timed); ``mine``: this end of a raw Connection."""
     p = ctx.Process(target=_echo, args=(kind, inbox, outbox, n))
     p.start()
+    mine.recv_bytes() if kind == "bytes" else outbox.get()
     return p
 
 
@@ -119,7 +124,7 @@ def messages(method: str, n: int, repeat: int) -> dict[str, tuple[float, float]]
     for _ in range(repeat):
         # the floor: the same 128 bytes over a raw Connection
         left, right = std.Pipe()
-        p = _partner(std, "bytes", right, right, n)
+        p = _partner(std, "bytes", right, right, n, left)
         data = a16.tobytes()
         floor = _round_trip(functools.partial(left.send_bytes, data), left.recv_bytes, n)
         p.join()
@@ -136,11 +141,10 @@ def messages(method: str, n: int, repeat: int) -> dict[str, tuple[float, float]]
             with _as("stdlib" if ctx is std else "arraymp"):
                 q, done = ctx.Queue(), ctx.Queue()
                 p = _partner(ctx, "stream", q, done, n)
-                q.put(payload)  # the partner has started once the first is read
                 t0 = time.perf_counter()
-                for _ in range(n - 1):
+                for _ in range(n):
                     q.put(payload)
-                rates.append((n - 1) / (done.get() - t0))
+                rates.append(n / (done.get() - t0))
                 p.join()
         pair = out.setdefault("handles/s vs 4 KiB pickled/s", ([], []))
         pair[0].append(rates[0])

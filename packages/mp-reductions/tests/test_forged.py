@@ -446,6 +446,58 @@ def test_fuzzed_headers_raise_clearly(receiver):
 
 
 
+def bare(code: bytes, shape, data: bytes, flags: int = 0, ndim=None) -> bytes:
+    """A bare array message's payload (_channel Note [bare arrays]) with the given fields."""
+    ndim = len(shape) if ndim is None else ndim
+    return struct.pack("<cBBB", b"A", flags, len(code), ndim) + code + struct.pack(f"<{len(shape)}q", *shape) + data
+
+
+def test_forged_bare_arrays_raise_clearly_and_keep_no_descriptor(receiver, good_segment):
+    """Every field of a bare array comes from another process: one that names no array (or one of Python
+    objects) is a SegmentError; descriptors sent along are closed; the receiver goes on."""
+    fds_dir = f"/proc/{receiver.proc.pid}/fd"
+    before = len(os.listdir(fds_dir))
+    for payload in [
+        bare(b"O", (2,), bytes(16)),  # object pointers
+        bare(b"|O8", (1,), b"A" * 8),
+        *([bare(b"T", (1,), bytes(16))] if "T" in OBJECT_DTYPES else []),
+        bare(b"f8,O", (1,), bytes(16)),  # a field of objects
+        bare(b"<f8", (3,), bytes(16)),  # fewer bytes than the shape holds
+        bare(b"<f8", (1,), bytes(16)),  # more
+        bare(b"<f8", (1 << 40, 1 << 40), bytes(8)),
+        bare(b"<f8", (-1,), bytes(8)),
+        bare(b"<f8", (2,), bytes(13)),  # not whole items
+        bare(b"qq", (1,), bytes(8)),  # no dtype
+        bare(b"\xff\xfe", (1,), bytes(8)),  # not ASCII
+        bare(b"<f8", (1,), bytes(8), flags=4),
+        bare(b"<f8", (1,), b"", ndim=3),  # the shape cut short
+        bare(b"V0", (3,), b"xyz"),  # no bytes to a V0 item
+        bare(b"<f8", (1,) * 70, bytes(8)),  # more dimensions than numpy's
+        b"A",
+        b"A\0\xff",
+    ]:
+        shm_core.send_fds(receiver.q._writer._sock, [b"P", payload], [good_segment.fd])
+        got = receiver.answer()
+        assert got[0] == "error" and got[3], (payload[:40], got)
+    shm_core.send_fds(receiver.q._writer._sock, [b"P", bare(b"<f8", (2,), np.array([1.5, 2.0]).tobytes())], [])
+    assert receiver.answer() == ("ok", "<f8", (2,), 3.5)
+    assert len(os.listdir(fds_dir)) <= before
+
+
+def test_fuzzed_bare_arrays_raise_clearly(receiver):
+    @FUZZ
+    @given(code=st.one_of(st.sampled_from([b"<f8", b">i2", b"|b1", b"V0", b"S3", b"<M8[s]", b"O", b"(2,)f8"]),
+                          st.binary(max_size=12)),
+           shape=st.lists(st.integers(-2, 1 << 62), max_size=5), data=st.binary(max_size=64),
+           flags=st.integers(0, 255), ndim=st.one_of(st.none(), st.integers(0, 255)))
+    def check(code, shape, data, flags, ndim):
+        shm_core.send_fds(receiver.q._writer._sock, [b"P", bare(code, shape, data, flags, ndim)], [])
+        got = receiver.answer()
+        assert got[0] == "ok" or got[3], (code, shape, got)  # an array, or SegmentError: never another error
+
+    check()
+
+
 def test_a_replayed_named_handle_is_named_as_a_cause():
     # issue 20: the same pickled bytes received twice take a count never owned; the segment is then unlinked while
     # its sender holds it, and the next receiver was told to keep "the sender's array alive", which it was

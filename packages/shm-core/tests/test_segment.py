@@ -1,3 +1,4 @@
+import fcntl
 import os
 import socket
 import subprocess
@@ -279,3 +280,69 @@ def test_recv_many_takes_every_queued_message_in_one_call_and_no_descriptor():
         a.close()
         got = shm_core.recv_many(b, buf, 16, socket.MSG_DONTWAIT)  # the peer closed: 0-byte reads, as recv's
         assert got and all(entry == (0, 0) for entry in got)
+
+
+def test_recv_fds_receives_whole_messages_and_drops_only_what_it_must():
+    """recv_fds (a peek, then the receive: Note [descriptor headroom]) returns each message with exactly its
+    descriptors, close-on-exec; a message with too many, or too long, is dropped with its descriptors closed."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    segs = [shm_core.create_anonymous(64) for _ in range(5)]
+    try:
+        with a, b:
+            with pytest.raises(BlockingIOError):
+                shm_core.recv_fds(b, 16, 4, socket.MSG_DONTWAIT)
+            before = len(os.listdir("/proc/self/fd"))
+            shm_core.send_fds(a, [b"thr", b"ee"], [s.fd for s in segs[:3]])
+            data, fds, flags = shm_core.recv_fds(b, 16, 4)
+            assert data == b"three" and len(fds) == 3 and flags == 0
+            assert [os.fstat(fd).st_ino for fd in fds] == [os.fstat(s.fd).st_ino for s in segs[:3]]
+            assert all(not os.get_inheritable(fd) and fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC for fd in fds)
+            for fd in fds:
+                os.close(fd)
+            shm_core.send_fds(a, [b"five"], [s.fd for s in segs])
+            with pytest.raises(OSError, match="message dropped"):
+                shm_core.recv_fds(b, 16, 4)
+            a.send(b"x" * 17)
+            with pytest.raises(OSError, match="message dropped"):
+                shm_core.recv_fds(b, 16, 4)
+            assert len(os.listdir("/proc/self/fd")) == before  # none of theirs left open
+            a.send(b"after")  # the channel goes on
+            assert shm_core.recv_fds(b, 16, 4) == (b"after", [], 0)
+            a.close()
+            assert shm_core.recv_fds(b, 16, 4) == (b"", [], 0)  # the peer closed: end of file, as recv's
+    finally:
+        for s in segs:
+            s.close()
+
+
+def test_recv_fds_short_of_descriptors_leaves_the_message_queued():
+    """A receiver that could not install a message's descriptors raises EMFILE and dequeues nothing: once it
+    has room, the same message arrives whole."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    seg = shm_core.create_anonymous(64)
+    with a, b:
+        shm_core.send_fds(a, [b"msg"], [seg.fd] * 3)
+        seg.close()
+        out = run_child(f"""
+            import errno, os, resource, socket, shm_core
+            s = socket.socket(fileno={b.fileno()})
+            top = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+            while (fd := os.dup(0)) < top:  # every number up to top in use: top + 1 the one free under the limit
+                pass
+            os.close(fd)
+            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            resource.setrlimit(resource.RLIMIT_NOFILE, (top + 2, hard))
+            n = len(os.listdir("/proc/self/fd"))
+            for _ in range(2):
+                try:
+                    shm_core.recv_fds(s, 16, 4)
+                except OSError as e:
+                    assert e.errno == errno.EMFILE and "stays queued" in str(e), e
+                else:
+                    raise AssertionError("received with no room")
+            assert len(os.listdir("/proc/self/fd")) == n  # the peeked ones were closed
+            resource.setrlimit(resource.RLIMIT_NOFILE, (top + 8, hard))
+            data, fds, _ = shm_core.recv_fds(s, 16, 4)
+            print(data.decode(), len(fds))
+        """, pass_fds=[b.fileno()])
+    assert out.split() == ["msg", "3"]

@@ -298,7 +298,16 @@ def rebuild_inline(data: bytes, dtype, shape, order: str, readonly: bool) -> np.
     dtype = np.dtype(dtype)
     if dtype.hasobject:
         raise shm_core.SegmentError(f"inline array of dtype {dtype} holds Python objects (forged message)")
-    return np.frombuffer(data if readonly else bytearray(data), dtype).reshape(shape, order=order)
+    if dtype.itemsize == 0:  # np.dtype("V0"): no bytes whatever the shape (frombuffer refuses the dtype); an
+        # unsized "U" or "S" names no array's dtype (numpy makes them 1 character long, with memory for each)
+        if dtype.kind != "V" or len(data) or _too_big(shape, 0):
+            raise shm_core.SegmentError(f"inline array of dtype {dtype} with {len(data)} bytes and shape "
+                                        f"{tuple(shape)!r:.80} (forged message)")
+        arr = np.empty(shape, dtype, order=order)
+    else:  # read-only: a view of ``data`` (which may be a writable buffer)
+        arr = np.frombuffer(data if readonly else bytearray(data), dtype).reshape(shape, order=order)
+    arr.flags.writeable = not readonly
+    return arr
 
 
 # Note [channels we do not own]: outside our channels (no Outgoing context) a memfd
@@ -394,10 +403,7 @@ def _check_fields(size, offset, shape, strides, dtype, readonly) -> tuple[np.dty
     if not (type(shape) is tuple and len(shape) <= 64 and all(type(n) is int and n >= 0 for n in shape)):
         raise shm_core.SegmentError(f"array handle has shape {shape!r:.80}: not a tuple of at most 64 (numpy's "
                                     "limit) non-negative ints; forged or corrupted handle")
-    items = 1
-    for n in shape:
-        items *= max(n, 1)
-    if items * max(dtype.itemsize, 1) >= 1 << 63:
+    if _too_big(shape, dtype.itemsize):
         raise shm_core.SegmentError(f"array handle has shape {shape!r:.80} of {dtype}: more bytes than an array "
                                     "can hold; forged or corrupted handle")
     if strides is None:
@@ -408,6 +414,15 @@ def _check_fields(size, offset, shape, strides, dtype, readonly) -> tuple[np.dty
     if len(strides) != len(shape):
         raise shm_core.SegmentError(f"array handle has {len(shape)} dimensions but {len(strides)} strides")
     return dtype, strides
+
+
+def _too_big(shape, itemsize: int) -> bool:
+    """More items or bytes than an array can hold (numpy checks bytes, but takes any count of 0-byte items,
+    which every loop over them then never ends)."""
+    items = 1
+    for n in shape:
+        items *= max(n, 1)
+    return items * max(itemsize, 1) >= 1 << 63
 
 
 def _check_extent(size: int, offset: int, shape, strides, itemsize: int) -> None:

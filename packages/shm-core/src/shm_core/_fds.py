@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import array
 import errno
-import functools
 import os
 import resource
 import socket
 
 from . import _native
-
-_FD_SIZE = array.array("i").itemsize
 
 # Note [descriptor headroom]: the kernel installs a message's descriptors in
 # the receiver as it dequeues the message; those that do not fit under the
@@ -54,21 +51,7 @@ def send_fds(sock: socket.socket, buffers, fds=(), flags: int = 0) -> int:
 
 
 # plain ints: the socket module's are enums, whose & and | cost microseconds per message
-_PEEK, _DONTWAIT = int(socket.MSG_PEEK), int(socket.MSG_DONTWAIT)
 _CTRUNC, _TRUNC = int(socket.MSG_CTRUNC), int(socket.MSG_TRUNC)
-
-
-@functools.lru_cache(maxsize=8)
-def _space(maxfds: int) -> int:
-    return socket.CMSG_SPACE(maxfds * _FD_SIZE)
-
-
-def _fds(anc) -> list[int]:
-    fds = array.array("i")
-    for level, kind, payload in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(payload[: len(payload) - (len(payload) % _FD_SIZE)])
-    return list(fds)
 
 
 def _close(fds) -> None:
@@ -83,31 +66,18 @@ def recv_fds(sock: socket.socket, bufsize: int, maxfds: int, flags: int = 0) -> 
     fit under this process's limit (Note [descriptor headroom]); OSError when it
     has more than ``bufsize`` bytes or ``maxfds`` descriptors (it is dropped).
     """
-    flags = int(flags)
-    space = _space(maxfds + 1)  # one more: a message with too many is told apart from a receiver short of numbers
-    while True:
-        _, anc, msg_flags, _addr = sock.recvmsg(1, space, flags | _PEEK)
-        if anc or msg_flags & _CTRUNC:
-            peeked = _fds(anc)
-            _close(peeked)
-            if msg_flags & _CTRUNC and len(peeked) <= maxfds:
-                raise _out_of_descriptors("the message stays queued: the next receive returns it once they fit")
-        try:
-            data, anc, msg_flags, _addr = sock.recvmsg(bufsize, space, flags | _DONTWAIT)
-        except BlockingIOError:
-            if flags & _DONTWAIT:
-                raise
-            continue  # another reader took the message we peeked
-        fds = _fds(anc) if anc else []
-        if msg_flags & _CTRUNC and len(fds) <= maxfds:
-            _close(fds)
-            raise _out_of_descriptors("a message was lost: another reader took the one that fitted, or another "
-                                      "thread took descriptors meanwhile (Note [descriptor headroom], shm_core)")
-        if msg_flags & _TRUNC or len(fds) > maxfds:
-            _close(fds)
-            raise OSError(f"message dropped: larger than this channel's messages ({bufsize} bytes, {maxfds} "
-                          f"descriptors); only arraymp's own senders may write to it")
-        return data, fds, msg_flags
+    data, fds, msg_flags = _native.recv_fds(sock.fileno(), bufsize, maxfds, int(flags))  # peek, then receive
+    if data is None:
+        raise _out_of_descriptors("the message stays queued: the next receive returns it once they fit")
+    if msg_flags & _CTRUNC and len(fds) <= maxfds:
+        _close(fds)
+        raise _out_of_descriptors("a message was lost: another reader took the one that fitted, or another "
+                                  "thread took descriptors meanwhile (Note [descriptor headroom], shm_core)")
+    if msg_flags & _TRUNC or len(fds) > maxfds:
+        _close(fds)
+        raise OSError(f"message dropped: larger than this channel's messages ({bufsize} bytes, {maxfds} "
+                      f"descriptors); only arraymp's own senders may write to it")
+    return data, fds, msg_flags
 
 
 def recv_many(sock: socket.socket, buffer, size: int, flags: int = 0) -> list[tuple[int, int]]:

@@ -574,6 +574,130 @@ native_recv_many(PyObject *mod, PyObject *args)
     return res;
 }
 
+/* Close the descriptors of a received control buffer; store how many it held in *n. */
+static void
+close_rights(struct msghdr *msg, Py_ssize_t *n)
+{
+    struct cmsghdr *c;
+    *n = 0;
+    for (c = CMSG_FIRSTHDR(msg); c != NULL; c = CMSG_NXTHDR(msg, c)) {
+        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+            Py_ssize_t k, m = (Py_ssize_t)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+            int *fds = (int *)CMSG_DATA(c);
+            for (k = 0; k < m; k++)
+                close(fds[k]);
+            *n += m;
+        }
+    }
+}
+
+/* recvmsg with EINTR retried (signals checked) and the GIL released: -1 with a Python error set on failure. */
+static ssize_t
+recvmsg_retry(int fd, struct msghdr *msg, int flags)
+{
+    ssize_t r;
+    do {
+        Py_BEGIN_ALLOW_THREADS
+        r = recvmsg(fd, msg, flags | MSG_CMSG_CLOEXEC);
+        Py_END_ALLOW_THREADS
+    } while (r < 0 && errno == EINTR && !PyErr_CheckSignals());
+    if (r < 0 && !PyErr_Occurred())
+        PyErr_SetFromErrno(PyExc_OSError); /* EAGAIN: BlockingIOError */
+    return r;
+}
+
+/* recv_fds(fd, bufsize, maxfds, flags) -> (data, [fd, ...], msg_flags): one message, received as
+ * shm_core._fds Note [descriptor headroom] says: a peek (its descriptors closed at once), then the
+ * receive (MSG_DONTWAIT; peeked again when another reader took the message meanwhile). The peek
+ * truncated with at most maxfds descriptors (this process is short of numbers): (None, [], msg_flags),
+ * the message left queued. The caller checks msg_flags (MSG_TRUNC, MSG_CTRUNC). */
+static PyObject *
+native_recv_fds(PyObject *mod, PyObject *args)
+{
+    int fd, flags, maxfds;
+    Py_ssize_t bufsize, n, k;
+    char peek_byte, *control;
+    size_t space;
+    struct iovec iov;
+    struct msghdr msg;
+    ssize_t r;
+    struct cmsghdr *c;
+    PyObject *data, *fds;
+    if (!PyArg_ParseTuple(args, "inii", &fd, &bufsize, &maxfds, &flags))
+        return NULL;
+    if (bufsize <= 0 || maxfds < 0 || maxfds > 1024) {
+        PyErr_SetString(PyExc_ValueError, "bufsize must be positive and maxfds in [0, 1024]");
+        return NULL;
+    }
+    space = CMSG_SPACE((size_t)(maxfds + 1) * sizeof(int)); /* one more: too many told from too few numbers */
+    control = PyMem_Malloc(space);
+    if (control == NULL)
+        return PyErr_NoMemory();
+    data = PyBytes_FromStringAndSize(NULL, bufsize);
+    if (data == NULL) {
+        PyMem_Free(control);
+        return NULL;
+    }
+    for (;;) {
+        iov.iov_base = &peek_byte;
+        iov.iov_len = 1;
+        memset(&msg, 0, sizeof(msg));
+        msg.msg_iov = &iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control;
+        msg.msg_controllen = space;
+        if (recvmsg_retry(fd, &msg, flags | MSG_PEEK) < 0)
+            goto fail;
+        close_rights(&msg, &n);
+        if ((msg.msg_flags & MSG_CTRUNC) && n <= maxfds) {
+            PyMem_Free(control);
+            Py_DECREF(data);
+            return Py_BuildValue("(O[]i)", Py_None, msg.msg_flags);
+        }
+        iov.iov_base = PyBytes_AS_STRING(data);
+        iov.iov_len = (size_t)bufsize;
+        memset(&msg, 0, sizeof(msg));
+        msg.msg_iov = &iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control;
+        msg.msg_controllen = space;
+        r = recvmsg_retry(fd, &msg, flags | MSG_DONTWAIT);
+        if (r >= 0)
+            break;
+        if (!(flags & MSG_DONTWAIT) && PyErr_ExceptionMatches(PyExc_BlockingIOError)) {
+            PyErr_Clear(); /* another reader took the message we peeked */
+            continue;
+        }
+        goto fail;
+    }
+    fds = PyList_New(0);
+    for (c = CMSG_FIRSTHDR(&msg); fds != NULL && c != NULL; c = CMSG_NXTHDR(&msg, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+            continue;
+        n = (Py_ssize_t)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+        for (k = 0; fds != NULL && k < n; k++) {
+            PyObject *v = PyLong_FromLong(((int *)CMSG_DATA(c))[k]);
+            if (v == NULL || PyList_Append(fds, v) < 0)
+                Py_CLEAR(fds);
+            Py_XDECREF(v);
+        }
+    }
+    if (fds == NULL) { /* out of memory: the message is gone, its descriptors too (none may leak) */
+        close_rights(&msg, &n);
+        goto fail;
+    }
+    PyMem_Free(control);
+    if (r < bufsize && _PyBytes_Resize(&data, r) < 0) {
+        Py_DECREF(fds);
+        return NULL;
+    }
+    return Py_BuildValue("(NNi)", data, fds, msg.msg_flags & ~MSG_CMSG_CLOEXEC); /* (the kernel echoes it) */
+fail:
+    PyMem_Free(control);
+    Py_DECREF(data);
+    return NULL;
+}
+
 /* ------------------------------------------------------- numpy allocator */
 
 /* The policy (mp_reductions Note [shared allocation]): `owned` maps the address
@@ -785,6 +909,9 @@ native_swap_handler(PyObject *mod, PyObject *handler)
 }
 
 static PyMethodDef native_methods[] = {
+    {"recv_fds", native_recv_fds, METH_VARARGS,
+     "recv_fds(fd, bufsize, maxfds, flags) -> (data, [fd, ...], msg_flags): peek, then receive one message "
+     "with its descriptors; (None, [], msg_flags) when the peek's were truncated (the message stays queued)"},
     {"recv_many", native_recv_many, METH_VARARGS,
      "recv_many(fd, buffer, size, flags) -> [(length, msg_flags), ...]: recvmmsg, message k in "
      "buffer[k * size:], no ancillary data."},

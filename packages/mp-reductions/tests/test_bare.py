@@ -1,0 +1,129 @@
+"""Note [bare arrays] (_channel): a message that is one small array numpy owns goes with no pickle; what
+arrives is what the pickled form would rebuild, on every channel of ours."""
+
+import pickle
+
+import hypothesis.extra.numpy as hnp
+import mp_reductions as mpr
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mp_reductions import _channel
+
+SETTINGS = settings(max_examples=300, deadline=None, database=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+DTYPES = st.one_of(hnp.boolean_dtypes(), hnp.integer_dtypes(endianness="="), hnp.unsigned_integer_dtypes(),
+                   hnp.floating_dtypes(endianness="="), hnp.complex_number_dtypes(), hnp.datetime64_dtypes(),
+                   hnp.timedelta64_dtypes(), hnp.byte_string_dtypes(max_len=4), hnp.unicode_string_dtypes(max_len=3),
+                   st.sampled_from([np.dtype("V0"), np.dtype("V3"), np.dtype(">f8"), np.dtype(">i2")]))
+
+
+@st.composite
+def small_arrays(draw):
+    """Arrays as users send them: any shape up to 4 dimensions (zeros too), C or Fortran order, strided views,
+    read-only or not."""
+    dtype = draw(DTYPES)
+    shape = draw(hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=5))
+    if dtype.kind == "V":  # raw bytes (hypothesis draws no elements of these)
+        n = int(np.prod(shape)) * dtype.itemsize
+        arr = np.frombuffer(draw(st.binary(min_size=n, max_size=n)), dtype).reshape(shape).copy() \
+            if dtype.itemsize else np.empty(shape, dtype)
+    else:
+        arr = draw(hnp.arrays(dtype, shape))
+    if draw(st.booleans()):
+        arr = np.asfortranarray(arr)
+    if arr.ndim and draw(st.booleans()):
+        arr = arr[tuple(slice(None, None, draw(st.sampled_from([1, 2, -1]))) for _ in range(arr.ndim))]
+    if draw(st.booleans()):
+        arr.flags.writeable = False
+    return arr
+
+
+@pytest.fixture(scope="module")
+def channels():
+    q, sq = mpr.Queue(), mpr.SimpleQueue()
+    a, b = mpr.Pipe()  # a stream
+    c, d = mpr.Pipe(duplex=False)
+    pairs = {"Queue": (q.put, q.get), "SimpleQueue": (sq.put, sq.get), "Pipe": (a.send, b.recv),
+             "Pipe(duplex=False)": (d.send, c.recv)}
+    yield pairs
+    q.close()
+    sq.close()
+    for conn in (a, b, c, d):
+        conn.close()
+
+
+def same_as_pickled(got, sent) -> None:
+    want = pickle.loads(pickle.dumps(sent, 4))
+    assert type(got) is np.ndarray and got.dtype == sent.dtype and got.shape == sent.shape
+    assert got.tobytes() == sent.tobytes()  # bit for bit (NaNs, NaTs, raw bytes, byte order too)
+    assert got.flags.writeable == sent.flags.writeable  # numpy's own pickle loses read-only (and byte order)
+    if sent.nbytes:  # (the order of no bytes is numpy's choice)
+        assert (got.flags.c_contiguous, got.flags.f_contiguous) == (want.flags.c_contiguous, want.flags.f_contiguous)
+    assert not mpr.is_shared(got)
+
+
+@SETTINGS
+@given(arr=small_arrays())
+def test_small_arrays_travel_bare_and_arrive_as_their_pickle(channels, arr):
+    assert _channel.Packet(arr).buffers[1][:1] == b"A"  # bare: no pickle made
+    for name, (send, recv) in channels.items():
+        send(arr)
+        same_as_pickled(recv(), arr)
+
+
+def test_bare_arrays_are_copies_taken_at_send():
+    q = mpr.Queue()
+    try:
+        a = np.arange(8.0)
+        q.put(a)
+        a[:] = -1  # after put: the message holds what a was then
+        b = q.get(timeout=10)
+        assert b.tolist() == list(range(8)) and b.flags.writeable
+        b[0] = 5  # writable and its own memory
+        assert a[0] == -1
+    finally:
+        q.close()
+
+
+class Sub(np.ndarray):
+    pass
+
+
+@pytest.mark.parametrize("make", [
+    lambda: np.array([1, None], dtype=object),  # Python objects: pickled
+    lambda: np.zeros(2, [("a", "i4"), ("b", "f8")]),  # fields: the dtype string would lose them
+    lambda: np.zeros(2, np.dtype("f8", metadata={"unit": "m"})),  # metadata: the string would lose it
+    lambda: np.arange(4.0).view(Sub),  # a subclass: pickled as itself
+    lambda: np.ma.masked_array([1.0, 2.0], mask=[0, 1]),
+    lambda: np.zeros(64 * 1024, np.uint8),  # at the inline threshold: by shared memory
+    lambda: mpr.share_memory(np.arange(10)),  # shared already: a handle
+], ids=["object", "fields", "metadata", "subclass", "masked", "threshold", "shared"])
+def test_what_is_not_bare_is_pickled_and_arrives_whole(make):
+    arr = make()
+    packet = _channel.Packet(arr)
+    assert not (packet.buffers[0] == b"P" and bytes(packet.buffers[1][:1]) == b"A")  # not bare
+    packet.discard()
+    q = mpr.Queue()
+    try:
+        q.put(arr)
+        got = q.get(timeout=10)
+        assert type(got) is type(arr) and got.dtype == arr.dtype and np.array_equal(got, arr)
+        if isinstance(arr, np.ma.MaskedArray):
+            assert got.mask.tolist() == arr.mask.tolist()
+    finally:
+        q.close()
+
+
+def test_the_inline_threshold_decides_for_bare_arrays_too():
+    a = np.arange(100, dtype=np.uint8)
+    mpr.set_inline_threshold(0)
+    try:
+        q = mpr.Queue()
+        q.put(a)
+        assert mpr.is_shared(q.get(timeout=10))  # every non-empty array by shared memory, as pickled ones
+        q.close()
+    finally:
+        mpr.set_inline_threshold(64 * 1024)
