@@ -162,7 +162,7 @@ def main(n: int = 5000, repeat: int = 3, workers: int = 2, methods=METHODS) -> i
     for method in methods:
         for name, (s, o) in tasks(method, n, repeat, workers).items():
             rows.setdefault(name, []).append(f"{s:.3f} | {o:.3f} | {o / s:.2f}")
-        for name, (s, o) in messages(method, 2000, repeat).items():
+        for name, (s, o) in messages(method, 2000, max(repeat, 5)).items():
             msgs.setdefault(name, []).append(f"{s:.0f} | {o:.0f} | {o / s:.2f}")
     for name, cells in rows.items():
         print(f"| {name} | " + " | ".join(cells) + " |")
