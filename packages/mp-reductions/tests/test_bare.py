@@ -69,7 +69,7 @@ def same_as_pickled(got, sent) -> None:
 @given(arr=small_arrays())
 def test_small_arrays_travel_bare_and_arrive_as_their_pickle(channels, arr):
     assert _channel.Packet(arr).buffers[1][:1] == b"A"  # bare: no pickle made
-    for name, (send, recv) in channels.items():
+    for send, recv in channels.values():
         send(arr)
         same_as_pickled(recv(), arr)
 
@@ -127,3 +127,22 @@ def test_the_inline_threshold_decides_for_bare_arrays_too():
         q.close()
     finally:
         mpr.set_inline_threshold(64 * 1024)
+
+
+def _as_list(arr):
+    return list, (arr.tolist(),)
+
+
+def test_a_reducer_registered_in_place_of_ours_is_honoured():
+    from multiprocessing.reduction import ForkingPickler
+
+    from mp_reductions._reductions import reduce_ndarray
+
+    ForkingPickler.register(np.ndarray, _as_list)
+    q = mpr.Queue()
+    try:
+        q.put(np.arange(3))
+        assert q.get(timeout=10) == [0, 1, 2]  # the user's reduction, not a bare array
+    finally:
+        ForkingPickler.register(np.ndarray, reduce_ndarray)
+        q.close()

@@ -28,11 +28,10 @@ import struct
 import threading
 from multiprocessing.reduction import ForkingPickler
 
+import numpy as np
 import shm_core
 
-import numpy as np
-
-from ._reductions import MAX_FDS, CopyMiss, Incoming, Outgoing, rebuild_inline, tls
+from ._reductions import MAX_FDS, CopyMiss, Incoming, Outgoing, rebuild_inline, reduce_ndarray, tls
 from ._shared import segment_of
 from ._strategy import get_inline_threshold
 
@@ -173,7 +172,8 @@ def _pickle_once(obj, out: Outgoing, head: bytes) -> tuple[Outgoing, bytes | mem
 # Note [bare arrays]: a message that is one small array numpy owns is sent with no pickle at all (its
 # pickle, reduce_ndarray's inline form, costs more than the system calls): an ndarray itself (no subclass),
 # no Python objects, a dtype its string names exactly, under the inline threshold, and in no segment, which is
-# exactly when reduce_ndarray would put it inline in the message's pickle. Its payload is b"A", _BARE (flags:
+# exactly when reduce_ndarray would put it inline in the message's pickle (and only while reduce_ndarray is
+# the reducer registered for ndarray: one registered in its place is honoured). Its payload is b"A", _BARE (flags:
 # read-only 1, Fortran order 2; the dtype string's length; ndim), the dtype string, the shape (int64s), then
 # its bytes; a plain message (kind b"P"), so it is received as one. A pickle starts with b"\x80", never b"A":
 # ``loads`` tells them apart, and rebuilds it with rebuild_inline, as the pickled form would be. Every field
@@ -185,7 +185,8 @@ _BARE_MAX = INLINE - 1024  # the header's largest (255 dtype bytes, 255 dimensio
 def _bare(arr) -> list | None:
     """The payload of a message that is ``arr`` alone, sent bare (Note [bare arrays]); None: pickle it."""
     dt = arr.dtype
-    if dt.hasobject or dt.names is not None or dt.subdtype is not None or dt.metadata is not None:
+    if dt.hasobject or dt.names is not None or dt.subdtype is not None or dt.metadata is not None \
+            or ForkingPickler._extra_reducers.get(np.ndarray) is not reduce_ndarray:
         return None
     n = arr.nbytes
     if n and (n >= get_inline_threshold() or n > _BARE_MAX or segment_of(arr) is not None):

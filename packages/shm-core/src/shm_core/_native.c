@@ -670,6 +670,11 @@ native_recv_fds(PyObject *mod, PyObject *args)
         }
         goto fail;
     }
+    if (r < bufsize && _PyBytes_Resize(&data, r) < 0) { /* (data freed, set to NULL) */
+        close_rights(&msg, &n); /* out of memory: the message is gone, its descriptors too (none may leak) */
+        PyMem_Free(control);
+        return NULL;
+    }
     fds = PyList_New(0);
     for (c = CMSG_FIRSTHDR(&msg); fds != NULL && c != NULL; c = CMSG_NXTHDR(&msg, c)) {
         if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
@@ -682,15 +687,11 @@ native_recv_fds(PyObject *mod, PyObject *args)
             Py_XDECREF(v);
         }
     }
-    if (fds == NULL) { /* out of memory: the message is gone, its descriptors too (none may leak) */
+    if (fds == NULL) { /* out of memory, as above */
         close_rights(&msg, &n);
         goto fail;
     }
     PyMem_Free(control);
-    if (r < bufsize && _PyBytes_Resize(&data, r) < 0) {
-        Py_DECREF(fds);
-        return NULL;
-    }
     return Py_BuildValue("(NNi)", data, fds, msg.msg_flags & ~MSG_CMSG_CLOEXEC); /* (the kernel echoes it) */
 fail:
     PyMem_Free(control);
