@@ -304,9 +304,10 @@ def rebuild_inline(data: bytes, dtype, shape, order: str, readonly: bool) -> np.
             raise shm_core.SegmentError(f"inline array of dtype {dtype} with {len(data)} bytes and shape "
                                         f"{tuple(shape)!r:.80} (forged message)")
         arr = np.empty(shape, dtype, order=order)
-    else:  # read-only: a view of ``data`` (which may be a writable buffer)
+    else:  # read-only: a view of ``data``, which may be a writable buffer (a Pipe's)
         arr = np.frombuffer(data if readonly else bytearray(data), dtype).reshape(shape, order=order)
-    arr.flags.writeable = not readonly
+    if readonly:
+        arr.flags.writeable = False
     return arr
 
 

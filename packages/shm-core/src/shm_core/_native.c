@@ -606,6 +606,21 @@ recvmsg_retry(int fd, struct msghdr *msg, int flags)
     return r;
 }
 
+#define RECV_FDS_MAX 1024
+
+/* msg set to receive into buf[0:len] with the control buffer control[0:space]. */
+static void
+set_msg(struct msghdr *msg, struct iovec *iov, void *buf, size_t len, void *control, size_t space)
+{
+    iov->iov_base = buf;
+    iov->iov_len = len;
+    memset(msg, 0, sizeof(*msg));
+    msg->msg_iov = iov;
+    msg->msg_iovlen = 1;
+    msg->msg_control = control;
+    msg->msg_controllen = space;
+}
+
 /* recv_fds(fd, bufsize, maxfds, flags) -> (data, [fd, ...], msg_flags): one message, received as
  * shm_core._fds Note [descriptor headroom] says: a peek (its descriptors closed at once), then the
  * receive (MSG_DONTWAIT; peeked again when another reader took the message meanwhile). The peek
@@ -616,51 +631,37 @@ native_recv_fds(PyObject *mod, PyObject *args)
 {
     int fd, flags, maxfds;
     Py_ssize_t bufsize, n, k;
-    char peek_byte, *control;
+    char peek_byte;
+    union { /* aligned for cmsghdr; one more descriptor: too many told from too few numbers */
+        struct cmsghdr align;
+        char buf[CMSG_SPACE((RECV_FDS_MAX + 1) * sizeof(int))];
+    } control;
     size_t space;
     struct iovec iov;
     struct msghdr msg;
     ssize_t r;
     struct cmsghdr *c;
-    PyObject *data, *fds;
+    PyObject *data = NULL, *fds;
     if (!PyArg_ParseTuple(args, "inii", &fd, &bufsize, &maxfds, &flags))
         return NULL;
-    if (bufsize <= 0 || maxfds < 0 || maxfds > 1024) {
+    if (bufsize <= 0 || maxfds < 0 || maxfds > RECV_FDS_MAX) {
         PyErr_SetString(PyExc_ValueError, "bufsize must be positive and maxfds in [0, 1024]");
         return NULL;
     }
-    space = CMSG_SPACE((size_t)(maxfds + 1) * sizeof(int)); /* one more: too many told from too few numbers */
-    control = PyMem_Malloc(space);
-    if (control == NULL)
-        return PyErr_NoMemory();
-    data = PyBytes_FromStringAndSize(NULL, bufsize);
-    if (data == NULL) {
-        PyMem_Free(control);
-        return NULL;
-    }
+    space = CMSG_SPACE((size_t)(maxfds + 1) * sizeof(int));
     for (;;) {
-        iov.iov_base = &peek_byte;
-        iov.iov_len = 1;
-        memset(&msg, 0, sizeof(msg));
-        msg.msg_iov = &iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control;
-        msg.msg_controllen = space;
+        set_msg(&msg, &iov, &peek_byte, 1, control.buf, space);
         if (recvmsg_retry(fd, &msg, flags | MSG_PEEK) < 0)
             goto fail;
         close_rights(&msg, &n);
         if ((msg.msg_flags & MSG_CTRUNC) && n <= maxfds) {
-            PyMem_Free(control);
-            Py_DECREF(data);
+            Py_XDECREF(data);
             return Py_BuildValue("(O[]i)", Py_None, msg.msg_flags);
         }
-        iov.iov_base = PyBytes_AS_STRING(data);
-        iov.iov_len = (size_t)bufsize;
-        memset(&msg, 0, sizeof(msg));
-        msg.msg_iov = &iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control;
-        msg.msg_controllen = space;
+        /* the buffer once a message is there: a reader that finds none (MSG_DONTWAIT) allocates nothing */
+        if (data == NULL && (data = PyBytes_FromStringAndSize(NULL, bufsize)) == NULL)
+            return NULL;
+        set_msg(&msg, &iov, PyBytes_AS_STRING(data), (size_t)bufsize, control.buf, space);
         r = recvmsg_retry(fd, &msg, flags | MSG_DONTWAIT);
         if (r >= 0)
             break;
@@ -672,7 +673,6 @@ native_recv_fds(PyObject *mod, PyObject *args)
     }
     if (r < bufsize && _PyBytes_Resize(&data, r) < 0) { /* (data freed, set to NULL) */
         close_rights(&msg, &n); /* out of memory: the message is gone, its descriptors too (none may leak) */
-        PyMem_Free(control);
         return NULL;
     }
     fds = PyList_New(0);
@@ -691,11 +691,9 @@ native_recv_fds(PyObject *mod, PyObject *args)
         close_rights(&msg, &n);
         goto fail;
     }
-    PyMem_Free(control);
     return Py_BuildValue("(NNi)", data, fds, msg.msg_flags & ~MSG_CMSG_CLOEXEC); /* (the kernel echoes it) */
 fail:
-    PyMem_Free(control);
-    Py_DECREF(data);
+    Py_XDECREF(data);
     return NULL;
 }
 
