@@ -1,5 +1,5 @@
-"""Note [bare arrays] (_channel): a message that is one small array numpy owns goes with no pickle; what
-arrives is what the pickled form would rebuild, on every channel of ours."""
+"""Note [bare arrays] (_bare): a message that is one array alone goes with no pickle, a small one as its bytes, a
+shared one as its handle; what arrives is what the pickled form would rebuild, on every channel of ours."""
 
 import pickle
 
@@ -7,10 +7,12 @@ import hypothesis.extra.numpy as hnp
 import mp_reductions as mpr
 import numpy as np
 import pytest
+import shm_core
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from mp_reductions import _channel
+from mp_reductions import _channel, _recycle, _shared
 
+BOUNDS = getattr(np.lib, "array_utils", np).byte_bounds  # numpy 2, numpy 1
 SETTINGS = settings(max_examples=300, deadline=None, database=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
@@ -72,6 +74,75 @@ def test_small_arrays_travel_bare_and_arrive_as_their_pickle(channels, arr):
     for send, recv in channels.values():
         send(arr)
         same_as_pickled(recv(), arr)
+
+
+@st.composite
+def shared_arrays(draw):
+    """Shared arrays as users send them: in a segment of their own (share_memory) or an arena block (empty_shared
+    of a small array), whole or any view (strided, reversed, transposed, Fortran order, a 0-d item), read-only
+    or not."""
+    dtype = draw(DTYPES.filter(lambda dt: dt.itemsize > 0))
+    shape = draw(hnp.array_shapes(min_dims=0, max_dims=3, min_side=1, max_side=6))
+    n = int(np.prod(shape)) * dtype.itemsize
+    raw = np.frombuffer(draw(st.binary(min_size=n, max_size=n)), dtype).reshape(shape)
+    if draw(st.booleans()):
+        arr = mpr.share_memory(raw)
+    else:
+        arr = mpr.empty_shared(shape, dtype)
+        arr[...] = raw
+    if arr.ndim and draw(st.booleans()):
+        arr = arr[tuple(slice(None, None, draw(st.sampled_from([1, 2, -1]))) for _ in range(arr.ndim))]
+    if draw(st.booleans()):
+        arr = arr.T
+    if arr.ndim and draw(st.booleans()):
+        arr = arr[(0,) * arr.ndim + (...,)]  # a 0-d view of one item
+    if draw(st.booleans()):
+        arr = arr.view()
+        arr.flags.writeable = False
+    return arr
+
+
+def counts(arr) -> tuple[int, int | None]:
+    """The in-flight word of arr's segment and its arena block's count (None: no arena)."""
+    seg, _ = _shared.segment_of(arr)
+    block = _shared.block_of(arr, seg)
+    return seg.load(_recycle.REFS), None if block is None else seg.load(shm_core.HEADER_SIZE + block)
+
+
+def strides(arr) -> list[int]:
+    """The strides that matter (numpy's contiguity ignores those of dimensions of one item)."""
+    return [st for st, n in zip(arr.strides, arr.shape, strict=True) if n > 1]
+
+
+@SETTINGS
+@given(arr=shared_arrays())
+def test_shared_arrays_travel_as_bare_handles_and_arrive_as_views_of_them(channels, arr):
+    before = counts(arr)
+    packet = _channel.Packet(arr)
+    assert packet.buffers[0] == b"H" and packet.buffers[1][:1] == b"B" and len(packet.fds) == 1  # bare: no pickle
+    assert counts(arr)[0] == before[0] + 1  # in flight
+    packet.discard()
+    assert counts(arr) == before
+    for send, recv in channels.values():
+        send(arr)
+        got = recv()
+        assert type(got) is np.ndarray and got.dtype == arr.dtype and got.shape == arr.shape
+        assert strides(got) == strides(arr) and got.tobytes() == arr.tobytes()
+        assert BOUNDS(got) == BOUNDS(arr) and mpr.is_shared(got)  # a view of the same memory, no copy
+        assert got.flags.writeable == arr.flags.writeable
+        if got.flags.writeable:
+            saved = arr.copy()
+            got[...] = np.zeros((), got.dtype)
+            assert arr.tobytes() == np.zeros(arr.shape, arr.dtype).tobytes()  # written through
+            arr[...] = saved
+        else:
+            with pytest.raises(ValueError, match="read-only"):
+                got[...] = np.zeros((), got.dtype)
+            if before[1] is None:  # a segment of its own: read-only for good (an arena block's base is writable)
+                with pytest.raises(ValueError, match="WRITEABLE"):
+                    got.flags.writeable = True
+        del got
+        assert counts(arr) == before  # each message's in-flight counts given back once
 
 
 def test_bare_arrays_are_copies_taken_at_send():

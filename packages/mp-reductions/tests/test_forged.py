@@ -498,6 +498,92 @@ def test_fuzzed_bare_arrays_raise_clearly(receiver):
     check()
 
 
+def bare_handle(code: bytes, shape, strides=None, *, size=4096, offset=0, block=-1, flags=0, ndim=None,
+                tail=b"") -> bytes:
+    """A bare handle's payload (_bare Note [bare arrays]) with the given fields."""
+    ndim = len(shape) if ndim is None else ndim
+    flags |= 4 if strides is not None else 0
+    return (struct.pack("<cqqqBBB", b"B", size, offset, block, flags, len(code), ndim) + code
+            + struct.pack(f"<{len(shape)}q", *shape) + struct.pack(f"<{len(strides or ())}q", *(strides or ())) + tail)
+
+
+def test_forged_bare_handles_raise_clearly_and_keep_no_descriptor(receiver, good_segment):
+    """A bare handle's fields, and the descriptor it names, come from another process: one that names no view
+    inside the segment (or a view of Python objects) is a SegmentError before any array is made; its descriptor
+    is closed; the receiver goes on."""
+    fds_dir = f"/proc/{receiver.proc.pid}/fd"
+    arena = mpr.empty_shared(10)  # a block of an arena segment
+    arena_seg = mpr._shared.segment_of(arena)[0]
+    arena_fd = mpr._shared.fd_for_sending(arena_seg, dup=True)
+    r, w = os.pipe()
+    foreign = memfd_with(b"x" * 8192)
+    good = good_segment.fd
+    before = len(os.listdir(fds_dir))
+    wrong = []
+    try:
+        for payload, fds, match in [
+            (bare_handle(b"<f8", (8,), size=1000), [good], "says 1000"),  # not the segment's size
+            (bare_handle(b"<f8", (8,), size=-1), [good], "size -1"),
+            (bare_handle(b"<f8", (8,), offset=4090), [good], "out of bounds"),
+            (bare_handle(b"<f8", (8,), offset=-8), [good], "out of bounds"),
+            (bare_handle(b"<f8", (2,), (-8,)), [good], "out of bounds"),  # the second item before the start
+            (bare_handle(b"<f8", (2, 2), (1 << 62, 8)), [good], "out of bounds"),
+            (bare_handle(b"<f8", (2,), (-(1 << 63),)), [good], "stride"),
+            (bare_handle(b"<f8", (1 << 40, 1 << 40)), [good], "more items"),
+            (bare_handle(b"u1", (1 << 32, 1 << 32, 0), (0, 0, 1)), [good], "more items"),
+            (bare_handle(b"<f8", (-1,)), [good], "negative"),
+            (bare_handle(b"|O8", (2,)), [good], "Python objects"),  # object pointers over 0x41 bytes
+            (bare_handle(b"f8,O", (1,)), [good], "Python objects"),
+            (bare_handle(b"<f8", (2,), flags=2), [good], "flags"),  # Fortran: for inline arrays only
+            (bare_handle(b"<f8", (2,), flags=8), [good], "flags"),
+            (bare_handle(b"<f8", (2,), tail=b"x"), [good], "too long"),
+            (bare_handle(b"<f8", (2,), (8,))[:-3], [good], "cut short"),
+            (bare_handle(b"<f8", (2,), ndim=70), [good], "dimensions"),
+            (bare_handle(b"<f8", (2,))[:20], [good], "names no array"),
+            (bare_handle(b"<f8", (2,)), [], "0 descriptors"),
+            (bare_handle(b"<f8", (2,)), [good, good], "2 descriptors"),
+            (bare_handle(b"<f8", (2,)), [r], "pipe"),
+            (bare_handle(b"<f8", (2,), size=8192), [foreign], "magic"),  # a memfd that is no segment
+            (bare_handle(b"<f8", (2,), block=0), [good], "not an arena"),
+            (bare_handle(b"<f8", (2,), size=arena_seg.size), [arena_fd], "arena without its block"),
+            (bare_handle(b"<f8", (2,), size=arena_seg.size, block=3), [arena_fd], "block"),
+            (bare(b"<f8", (1,), bytes(8)), [good], "kind b'A' with 1 descriptors"),
+        ]:
+            shm_core.send_fds(receiver.q._writer._sock, [b"H", payload], fds)
+            got = receiver.answer()
+            if not (got[0] == "error" and got[3] and match in got[2]):
+                wrong.append((payload[:40], match, got))
+        assert not wrong, wrong
+        shm_core.send_fds(receiver.q._writer._sock, [b"P", bare_handle(b"<f8", (2,))], [])  # no descriptor
+        got = receiver.answer()
+        assert got[0] == "error" and got[3] and "kind b'B' with 0 descriptors" in got[2], got
+        shm_core.send_fds(receiver.q._writer._sock, [b"H", bare_handle(b"<u1", (4, 2), (1, 4), offset=8)], [good])
+        assert receiver.answer() == ("ok", "|u1", (4, 2), None)  # a good one, strided, goes through
+        assert len(os.listdir(fds_dir)) <= before + 2  # (the good segment and the arena, kept for their next arrival)
+    finally:
+        for fd in (r, w, foreign, arena_fd):
+            os.close(fd)
+        del arena
+
+
+def test_fuzzed_bare_handles_raise_clearly(receiver, good_segment):
+    @FUZZ
+    @given(code=st.one_of(st.sampled_from([b"<f8", b">i2", b"|b1", b"V0", b"S3", b"<M8[s]", b"O", b"(2,)f8"]),
+                          st.binary(max_size=12)),
+           shape=st.lists(st.integers(-2, 1 << 62), max_size=4),
+           strides=st.one_of(st.none(), st.lists(st.integers(-(1 << 63), (1 << 63) - 1), max_size=4)),
+           offset=st.one_of(st.integers(-64, 4160), st.integers(-(1 << 63), (1 << 63) - 1)),
+           size=st.sampled_from([4096, 4096, 0, 8192, -5]), block=st.sampled_from([-1, -1, 0, 64, -(1 << 63)]),
+           flags=st.integers(0, 255), ndim=st.one_of(st.none(), st.integers(0, 255)))
+    def check(code, shape, strides, offset, size, block, flags, ndim):
+        payload = bare_handle(code, shape, strides, size=size, offset=offset, block=block, flags=flags, ndim=ndim)
+        shm_core.send_fds(receiver.q._writer._sock, [b"H", payload], [good_segment.fd])
+        got = receiver.answer()  # (the receiver reads every byte of what it got)
+        assert got[0] == "ok" or got[3], (payload, got)  # an array, or SegmentError: never another error
+
+    check()
+
+
 def test_a_replayed_named_handle_is_named_as_a_cause():
     # issue 20: the same pickled bytes received twice take a count never owned; the segment is then unlinked while
     # its sender holds it, and the next receiver was told to keep "the sender's array alive", which it was

@@ -1,3 +1,4 @@
+import errno
 import fcntl
 import os
 import socket
@@ -346,3 +347,18 @@ def test_recv_fds_short_of_descriptors_leaves_the_message_queued():
             print(data.decode(), len(fds))
         """, pass_fds=[b.fileno()])
     assert out.split() == ["msg", "3"]
+
+
+def test_file_id_names_the_file_a_descriptor_opens():
+    seg = shm_core.create_anonymous(64)
+    fd = os.dup(seg.fd)
+    try:
+        st = os.fstat(seg.fd)
+        assert shm_core.file_id(fd) == shm_core.file_id(seg.fd) == (st.st_dev, st.st_ino)
+        assert shm_core.file_id(0) != shm_core.file_id(fd)
+    finally:
+        os.close(fd)
+        seg.close()
+    with pytest.raises(OSError) as e:
+        shm_core.file_id(fd)
+    assert e.value.errno == errno.EBADF

@@ -10,7 +10,8 @@ Wire format of one message::
     b"H" + pickle                      the same, naming shared memory (handles)
     b"S" + 8-byte length               the pickle is in a memfd, the last descriptor
 
-with the descriptors of the arrays' segments as SCM_RIGHTS in the same sendmsg.
+with the descriptors of the arrays' segments as SCM_RIGHTS in the same sendmsg
+(a message that is one array alone has a header in place of the pickle: _bare).
 A message may start with a ``head``, a small pickle of its own the receiver can
 read before the rest (the Pool's task header); ``loads`` of such a message
 returns the head alone.
@@ -31,9 +32,8 @@ from multiprocessing.reduction import ForkingPickler
 import numpy as np
 import shm_core
 
-from ._reductions import MAX_FDS, CopyMiss, Incoming, Outgoing, rebuild_inline, reduce_ndarray, tls
-from ._shared import segment_of
-from ._strategy import get_inline_threshold
+from ._bare import NOTHING, decode, encode
+from ._reductions import MAX_FDS, CopyMiss, Incoming, Outgoing, tls
 
 INLINE = 64 * 1024
 SPIN = int(os.environ.get("ARRAYMP_QUEUE_SPIN", "50"))  # see _queues Note [spin]
@@ -169,48 +169,6 @@ def _pickle_once(obj, out: Outgoing, head: bytes) -> tuple[Outgoing, bytes | mem
 # plain tasks and frames plain results on a socket of their own (_pool Note [batches]).
 
 
-# Note [bare arrays]: a message that is one small array numpy owns is sent with no pickle at all (its
-# pickle, reduce_ndarray's inline form, costs more than the system calls): an ndarray itself (no subclass),
-# no Python objects, a dtype its string names exactly, under the inline threshold, and in no segment, which is
-# exactly when reduce_ndarray would put it inline in the message's pickle (and only while reduce_ndarray is
-# the reducer registered for ndarray: one registered in its place is honoured). Its payload is b"A", _BARE (flags:
-# read-only 1, Fortran order 2; the dtype string's length; ndim), the dtype string, the shape (int64s), then
-# its bytes; a plain message (kind b"P"), so it is received as one. A pickle starts with b"\x80", never b"A":
-# ``loads`` tells them apart, and rebuilds it with rebuild_inline, as the pickled form would be. Every field
-# comes from another process: one that names no array is a SegmentError.
-_BARE = struct.Struct("<cBBB")
-_BARE_MAX = INLINE - 1024  # the header's largest (255 dtype bytes, 255 dimensions) fits beside it
-
-
-def _bare(arr) -> list | None:
-    """The payload of a message that is ``arr`` alone, sent bare (Note [bare arrays]); None: pickle it."""
-    dt = arr.dtype
-    if dt.hasobject or dt.names is not None or dt.subdtype is not None or dt.metadata is not None \
-            or ForkingPickler._extra_reducers.get(np.ndarray) is not reduce_ndarray:
-        return None
-    n = arr.nbytes
-    if n and (n >= get_inline_threshold() or n > _BARE_MAX or segment_of(arr) is not None):
-        return None
-    fortran = arr.flags.f_contiguous and not arr.flags.c_contiguous
-    code = dt.str.encode()
-    head = _BARE.pack(b"A", (not arr.flags.writeable) | fortran << 1, len(code), arr.ndim) + code
-    return [head + struct.pack(f"<{arr.ndim}q", *arr.shape), arr.tobytes("F" if fortran else "C")]
-
-
-def _unbare(data) -> np.ndarray:
-    try:
-        _, flags, n, ndim = _BARE.unpack_from(data)
-        at = _BARE.size + n
-        code = bytes(data[_BARE.size:at]).decode("ascii")
-        shape = struct.unpack_from(f"<{ndim}q", data, at)
-        if flags > 3 or min(shape, default=0) < 0:  # (reshape would take a -1 as "whatever is left")
-            raise ValueError(f"flags {flags}, shape {shape}")
-        return rebuild_inline(data[at + 8 * ndim:], code, shape, "F" if flags & 2 else "C", bool(flags & 1))
-    except (ValueError, TypeError, struct.error) as e:  # UnicodeDecodeError is a ValueError
-        raise shm_core.SegmentError(f"bare array message names no array: {e} (forged or corrupted message)") \
-            from None
-
-
 class Packet:
     """One pickled message ready to send: its buffers, descriptors and keep-alives.
 
@@ -220,11 +178,10 @@ class Packet:
     __slots__ = ("buffers", "fds", "keep", "out")
 
     def __init__(self, obj=None, *, raw: bytes | None = None, head: bytes = b""):
-        if raw is None and not head and type(obj) is np.ndarray and (bare := _bare(obj)) is not None:
-            self.out, self.fds, self.keep = _NOTHING, (), ()
-            self.buffers = [b"P", *bare]
-            return
-        if raw is None:
+        bare = encode(obj) if raw is None and not head and type(obj) is np.ndarray else None
+        if bare is not None:  # Note [bare arrays]
+            payload, out = bare
+        elif raw is None:
             out, payload = _pickle(obj, Outgoing(), head)
             if len(payload) > INLINE and out.inlined and not out.copy_inline:
                 # Too big for one socket message: rather than spill the whole
@@ -232,7 +189,7 @@ class Packet:
                 out.abort()
                 out, payload = _pickle(obj, Outgoing(share_all=True), head)
         else:
-            out, payload = _NOTHING, raw
+            out, payload = NOTHING, raw
         self.out = out
         self.fds, self.keep = out.fds, out.keep
         if len(payload) <= INLINE:
@@ -268,9 +225,6 @@ class Packet:
         self.keep = None
 
 
-_NOTHING = Outgoing()  # a bare array's: nothing to give back (Note [bare arrays])
-
-
 # -- byte streams (Pipe): one writer and one reader per end, so no need for
 # seqpacket's atomic messages; a stream socket wakes its peer faster.
 _HEAD = struct.Struct("<QB")  # payload length, b"P" or b"H"
@@ -278,9 +232,11 @@ _HEAD = struct.Struct("<QB")  # payload length, b"P" or b"H"
 
 def send_stream(sock: socket.socket, obj=None, *, raw=None) -> None:
     """Send one framed message on a stream socket, the descriptors with its first byte."""
-    if raw is None and type(obj) is np.ndarray and (bare := _bare(obj)) is not None:
-        raw = b"".join(bare)
-    out, payload = _pickle(obj, Outgoing()) if raw is None else (_NOTHING, raw)
+    bare = encode(obj) if raw is None and type(obj) is np.ndarray else None  # Note [bare arrays]
+    if bare is not None:
+        payload, out = bare
+    else:
+        out, payload = _pickle(obj, Outgoing()) if raw is None else (NOTHING, raw)
     head = _HEAD.pack(len(payload), ord("H" if out.handles else "P"))
     sent = shm_core.send_fds(sock, [head, payload], out.fds)
     if sent < len(head):  # a large message: the rest goes without descriptors
@@ -404,8 +360,10 @@ def loads_kept(msg: tuple, pending: collections.deque, sock: socket.socket):
 
 
 def loads(data: bytes, fds: list[int] | None):
+    if data[:1] in (b"A", b"B"):  # Note [bare arrays]
+        return decode(data, fds)
     if fds is None:
-        return _unbare(data) if data[:1] == b"A" else pickle.loads(data)
+        return pickle.loads(data)
     inc = Incoming(fds)
     saved, tls.ctx = tls.ctx, inc
     try:

@@ -289,8 +289,7 @@ def _adopt_named(seg: shm_core.Segment) -> shm_core.Segment:
 
 # ---------------------------------------------------------------------- creating
 def fd_key(fd: int) -> tuple:
-    st = os.fstat(fd)
-    return "f", st.st_dev, st.st_ino
+    return ("f", *shm_core.file_id(fd))
 
 
 def new_segment(size: int, strategy: str | None = None, name: str | None = None) -> shm_core.Segment:

@@ -12,7 +12,7 @@ if not sys.platform.startswith("linux"):  # pragma: no cover
     raise ImportError(f"shm-core supports Linux only (memfd, tmpfs, futex); this is {sys.platform}")
 
 from ._fds import check_headroom, recv_fds, recv_many, send_fds
-from ._native import Mapping, address
+from ._native import Mapping, address, array_from, file_id, pack_array
 from ._segment import (
     DEFAULT_PREFIX,
     HEADER_SIZE,
@@ -45,11 +45,14 @@ __all__ = [
     "SegmentError",
     "SharedMemoryFullError",
     "address",
+    "array_from",
     "attach",
     "attach_fd",
     "check_headroom",
     "create",
     "create_anonymous",
+    "file_id",
+    "pack_array",
     "parse_name",
     "recv_fds",
     "recv_many",

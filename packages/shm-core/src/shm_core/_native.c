@@ -35,6 +35,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -518,6 +519,23 @@ native_address(PyObject *mod, PyObject *obj)
     return res;
 }
 
+/* file_id(fd) -> (st_dev, st_ino): which file a descriptor opens (os.fstat builds a 20-field result with
+ * float times, a tenth of a shared array's receive). */
+static PyObject *
+native_file_id(PyObject *mod, PyObject *args)
+{
+    struct stat st;
+    int fd, r;
+    if (!PyArg_ParseTuple(args, "i:file_id", &fd))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    r = fstat(fd, &st);
+    Py_END_ALLOW_THREADS
+    if (r < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    return Py_BuildValue("(KK)", (unsigned long long)st.st_dev, (unsigned long long)st.st_ino);
+}
+
 #define RECV_MANY_MAX 64
 
 /* recv_many(fd, buffer, size, flags) -> [(length, msg_flags), ...]: up to len(buffer) // size (at most
@@ -907,6 +925,274 @@ native_swap_handler(PyObject *mod, PyObject *handler)
     return PyDataMem_SetHandler(handler == Py_None ? NULL : handler);
 }
 
+/* ------------------------------------------------------- bare arrays */
+/* A message that is one array alone travels with no pickle (mp_reductions Note [bare arrays]):
+ *
+ *     <BBB flags, len(code), ndim> code, int64 shape[ndim], [int64 strides[ndim]: flags & 4], [its bytes]
+ *
+ * code: the dtype's string; flags: read-only 1, Fortran order 2 (its bytes follow), strides 4 (a view).
+ * Packed and unpacked in Python, the header cost more than the system calls that carry the message; here
+ * is only its layout and the checks that a received one names an array (it comes from another process).
+ * Which arrays go bare, and how their memory is counted, is mp_reductions._bare's. */
+
+#define BARE_READONLY 1
+#define BARE_FORTRAN 2
+#define BARE_STRIDES 4
+
+static void
+put_i64(char *p, int64_t v)
+{
+    int i;
+    for (i = 0; i < 8; i++)
+        p[i] = (char)((uint64_t)v >> (8 * i));
+}
+
+static int64_t
+get_i64(const unsigned char *p)
+{
+    uint64_t v = 0;
+    int i;
+    for (i = 7; i >= 0; i--)
+        v = v << 8 | p[i];
+    return (int64_t)v;
+}
+
+/* pack_array(prefix, arr, code, flags, data) -> prefix + header (+ arr's bytes in C, or with flags & 2
+ * Fortran, order: data) */
+static PyObject *
+native_pack_array(PyObject *mod, PyObject *args)
+{
+    Py_buffer prefix, code;
+    PyArrayObject *arr;
+    int flags, data, nd, i;
+    Py_ssize_t nbytes, size;
+    PyObject *res = NULL;
+    char *p;
+    if (numpy_ready() < 0)
+        return NULL;
+    if (!PyArg_ParseTuple(args, "y*O!y*ip:pack_array", &prefix, &PyArray_Type, &arr, &code, &flags, &data))
+        return NULL;
+    nd = PyArray_NDIM(arr);
+    if (code.len > 255 || (flags & ~(BARE_READONLY | BARE_FORTRAN | BARE_STRIDES)) != 0) {
+        PyErr_SetString(PyExc_ValueError, "pack_array: a code of at most 255 bytes and flags in [0, 7]");
+        goto done;
+    }
+    nbytes = data ? PyArray_NBYTES(arr) : 0;
+    size = prefix.len + 3 + code.len + 8 * (Py_ssize_t)nd * (flags & BARE_STRIDES ? 2 : 1) + nbytes;
+    if ((res = PyBytes_FromStringAndSize(NULL, size)) == NULL)
+        goto done;
+    p = PyBytes_AS_STRING(res);
+    memcpy(p, prefix.buf, (size_t)prefix.len);
+    p += prefix.len;
+    *p++ = (char)flags;
+    *p++ = (char)code.len;
+    *p++ = (char)nd;
+    memcpy(p, code.buf, (size_t)code.len);
+    p += code.len;
+    for (i = 0; i < nd; i++, p += 8)
+        put_i64(p, PyArray_DIM(arr, i));
+    for (i = 0; (flags & BARE_STRIDES) && i < nd; i++, p += 8)
+        put_i64(p, PyArray_STRIDE(arr, i));
+    if (nbytes == 0)
+        goto done;
+    if (flags & BARE_FORTRAN ? PyArray_IS_F_CONTIGUOUS(arr) : PyArray_IS_C_CONTIGUOUS(arr)) {
+        memcpy(p, PyArray_DATA(arr), (size_t)nbytes);
+    } else { /* a strided view: numpy copies it into the message */
+        PyArray_Descr *descr = PyArray_DESCR(arr);
+        PyObject *dst;
+        Py_INCREF(descr);
+        dst = PyArray_NewFromDescr(&PyArray_Type, descr, nd, PyArray_DIMS(arr), NULL, p,
+                                   NPY_ARRAY_WRITEABLE | (flags & BARE_FORTRAN ? NPY_ARRAY_F_CONTIGUOUS : 0), NULL);
+        if (dst == NULL || PyArray_CopyInto((PyArrayObject *)dst, arr) < 0)
+            Py_CLEAR(res);
+        Py_XDECREF(dst);
+    }
+done:
+    PyBuffer_Release(&prefix);
+    PyBuffer_Release(&code);
+    return res;
+}
+
+static PyObject *
+bare_error(const char *what)
+{
+    PyErr_Format(PyExc_ValueError, "bare array header: %s", what);
+    return NULL;
+}
+
+/* The dtype a received code names, if an array of it may travel bare (no Python objects, fields or
+ * subarray; sized, or V0); else NULL with ValueError set. The last one is kept: a stream has one dtype. */
+static PyArray_Descr *
+bare_dtype(const unsigned char *code, Py_ssize_t n)
+{
+    static char last_code[256];
+    static Py_ssize_t last_n = -1;
+    static PyArray_Descr *last;
+    PyObject *str;
+    PyArray_Descr *descr = NULL;
+    if (last != NULL && n == last_n && memcmp(code, last_code, (size_t)n) == 0) {
+        Py_INCREF(last);
+        return last;
+    }
+    if ((str = PyUnicode_DecodeASCII((const char *)code, n, "strict")) == NULL) {
+        PyErr_Clear();
+        bare_error("its dtype string is not ASCII");
+        return NULL;
+    }
+    if (!PyArray_DescrConverter(str, &descr))
+        descr = NULL;
+    Py_DECREF(str);
+    if (descr == NULL) { /* whatever numpy raised for the string (TypeError, a warning made an error, ...) */
+        if (!PyErr_ExceptionMatches(PyExc_MemoryError)) {
+            PyErr_Clear();
+            bare_error("its dtype string names no dtype");
+        }
+        return NULL;
+    }
+    if (descr->type_num < 0 || descr->type_num >= NPY_NTYPES_LEGACY || PyDataType_REFCHK(descr)
+        || PyDataType_HASFIELDS(descr) || PyDataType_HASSUBARRAY(descr)
+        || (PyDataType_ELSIZE(descr) == 0 && descr->type_num != NPY_VOID)) {
+        Py_DECREF(descr);
+        bare_error("its dtype holds Python objects, fields or a subarray, or is unsized");
+        return NULL;
+    }
+    Py_XDECREF(last);
+    Py_INCREF(descr);
+    last = descr;
+    memcpy(last_code, code, (size_t)n);
+    last_n = n;
+    return descr;
+}
+
+/* array_from(data, at, buffer, offset) -> the array whose header starts at data[at]:
+ *   buffer None: a new array, its bytes the rest of data;
+ *   else a view of buffer (a memoryview or an ndarray, kept as its base) at byte offset `offset`, strides
+ *   from the header (C order when none), every byte it spans inside buffer.
+ * A header that names no such array raises ValueError, before anything is made. */
+static PyObject *
+native_array_from(PyObject *mod, PyObject *args)
+{
+    Py_buffer data, view;
+    Py_ssize_t at, offset;
+    PyObject *buffer, *res = NULL;
+    const unsigned char *p, *end;
+    int flags, nd, i;
+    Py_ssize_t n, itemsize;
+    npy_intp dims[NPY_MAXDIMS], strides[NPY_MAXDIMS];
+    int64_t items = 1, cells = 1;
+    PyArray_Descr *descr = NULL;
+    if (numpy_ready() < 0)
+        return NULL;
+    if (!PyArg_ParseTuple(args, "y*nOn:array_from", &data, &at, &buffer, &offset))
+        return NULL;
+    if (at < 0 || at > data.len || data.len - at < 3) {
+        bare_error("cut short");
+        goto done;
+    }
+    p = (const unsigned char *)data.buf + at;
+    end = (const unsigned char *)data.buf + data.len;
+    flags = p[0];
+    n = p[1];
+    nd = p[2];
+    p += 3;
+    if (nd > NPY_MAXDIMS || end - p < n + 8 * (Py_ssize_t)nd
+        || (flags & ~(buffer == Py_None ? BARE_READONLY | BARE_FORTRAN : BARE_READONLY | BARE_STRIDES))) {
+        bare_error("bad flags, too many dimensions or cut short");
+        goto done;
+    }
+    if ((descr = bare_dtype(p, n)) == NULL)
+        goto done;
+    p += n;
+    itemsize = PyDataType_ELSIZE(descr);
+    for (i = 0; i < nd; i++, p += 8) {
+        int64_t d = get_i64(p);
+        if (d < 0 || __builtin_mul_overflow(items, d, &items) || __builtin_mul_overflow(cells, d ? d : 1, &cells)
+            || __builtin_mul_overflow(cells, itemsize ? itemsize : 1, &(int64_t){0})) {
+            bare_error("a negative dimension, or more items than an array can hold");
+            goto done;
+        }
+        dims[i] = (npy_intp)d;
+    }
+    if (buffer == Py_None) {
+        if (end - p != items * itemsize) {
+            bare_error("its bytes are not the array's");
+            goto done;
+        }
+        res = PyArray_NewFromDescr(&PyArray_Type, descr, nd, dims, NULL, NULL,
+                                   flags & BARE_FORTRAN ? NPY_ARRAY_F_CONTIGUOUS : 0, NULL);
+        descr = NULL; /* (stolen) */
+        if (res == NULL)
+            goto done;
+        if (end > p)
+            memcpy(PyArray_DATA((PyArrayObject *)res), p, (size_t)(end - p));
+        if (flags & BARE_READONLY)
+            PyArray_CLEARFLAGS((PyArrayObject *)res, NPY_ARRAY_WRITEABLE);
+        goto done;
+    }
+    if (flags & BARE_STRIDES) {
+        if (end - p != 8 * (Py_ssize_t)nd) {
+            bare_error("cut short or too long");
+            goto done;
+        }
+        for (i = 0; i < nd; i++, p += 8) {
+            int64_t st = get_i64(p);
+            if (st == INT64_MIN) {
+                bare_error("a stride out of range");
+                goto done;
+            }
+            strides[i] = (npy_intp)st;
+        }
+    } else {
+        int64_t step = itemsize;
+        if (p != end) {
+            bare_error("too long");
+            goto done;
+        }
+        for (i = nd - 1; i >= 0; i--) {
+            strides[i] = (npy_intp)step;
+            step *= dims[i] ? dims[i] : 1; /* (no overflow: checked above) */
+        }
+    }
+    if (!PyMemoryView_Check(buffer) && !PyArray_Check(buffer)) {
+        PyErr_SetString(PyExc_TypeError, "array_from: buffer must be None, a memoryview or an ndarray");
+        goto done;
+    }
+    if (PyObject_GetBuffer(buffer, &view, PyBUF_SIMPLE) < 0)
+        goto done;
+    {
+        __int128 lo = offset, hi = offset;
+        if (items > 0) {
+            for (i = 0; i < nd; i++) {
+                __int128 span = (__int128)strides[i] * (dims[i] - 1);
+                if (span < 0)
+                    lo += span;
+                else
+                    hi += span;
+            }
+            hi += itemsize;
+        }
+        if (offset < 0 || lo < 0 || hi > view.len) {
+            PyBuffer_Release(&view);
+            PyErr_Format(PyExc_ValueError, "array handle out of bounds: offset %zd, its bytes past the %zd of "
+                         "its buffer", offset, view.len);
+            goto done;
+        }
+    }
+    res = PyArray_NewFromDescr(&PyArray_Type, descr, nd, dims, strides, (char *)view.buf + offset,
+                               view.readonly || (flags & BARE_READONLY) ? 0 : NPY_ARRAY_WRITEABLE, NULL);
+    descr = NULL; /* (stolen) */
+    PyBuffer_Release(&view); /* buffer, the array's base, keeps the memory */
+    if (res != NULL) {
+        Py_INCREF(buffer);
+        if (PyArray_SetBaseObject((PyArrayObject *)res, buffer) < 0)
+            Py_CLEAR(res);
+    }
+done:
+    Py_XDECREF(descr);
+    PyBuffer_Release(&data);
+    return res;
+}
+
 static PyMethodDef native_methods[] = {
     {"recv_fds", native_recv_fds, METH_VARARGS,
      "recv_fds(fd, bufsize, maxfds, flags) -> (data, [fd, ...], msg_flags): peek, then receive one message "
@@ -914,6 +1200,7 @@ static PyMethodDef native_methods[] = {
     {"recv_many", native_recv_many, METH_VARARGS,
      "recv_many(fd, buffer, size, flags) -> [(length, msg_flags), ...]: recvmmsg, message k in "
      "buffer[k * size:], no ancillary data."},
+    {"file_id", native_file_id, METH_VARARGS, "file_id(fd) -> (st_dev, st_ino) (fstat)."},
     {"address", native_address, METH_O,
      "address(buffer) -> address of its first byte (any strides, any dtype)."},
     {"memfd_create", native_memfd_create, METH_VARARGS,
@@ -924,6 +1211,11 @@ static PyMethodDef native_methods[] = {
      "set_allocator(threshold, owned, take, give): the policy of the shared numpy handler."},
     {"swap_handler", native_swap_handler, METH_O,
      "swap_handler(capsule or None) -> the previous numpy data-memory handler of this context."},
+    {"pack_array", native_pack_array, METH_VARARGS,
+     "pack_array(prefix, arr, code, flags, data) -> bytes: prefix, a bare array's header (and its bytes)."},
+    {"array_from", native_array_from, METH_VARARGS,
+     "array_from(data, at, buffer, offset) -> ndarray: the array a bare header at data[at] names, a copy "
+     "of the bytes after it (buffer None) or a view of buffer."},
     {NULL}
 };
 
