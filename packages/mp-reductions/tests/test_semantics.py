@@ -355,3 +355,24 @@ def test_a_sent_object_is_not_kept_alive_by_the_pickler():
         gc.collect()
         assert ref() is None, "the array outlived its message in the sender"
         q.get(timeout=10)
+
+
+@pytest.mark.parametrize("duplex", [True, False])
+def test_a_send_to_a_closed_pipe_gives_back_what_it_held(duplex):
+    """A send that raises (the peer closed) leaves no descriptor open and no count in flight: a shared array's
+    handle, one inside a pickle, and a fresh array's copy."""
+    from mp_reductions import _recycle
+
+    shared = mpr.share_memory(np.arange(100.0))
+    seg = segment_of(shared)[0]
+    a, b = mpr.Pipe(duplex=duplex)
+    reader, writer = (a, b) if not duplex else (b, a)
+    reader.close()
+    fds, refs = len(os.listdir("/proc/self/fd")), seg.load(_recycle.REFS)
+    for obj in (shared, [shared, 1], np.zeros(1 << 18)):
+        for _ in range(5):
+            with pytest.raises((BrokenPipeError, ConnectionResetError)):
+                writer.send(obj)
+    assert seg.load(_recycle.REFS) == refs
+    assert len(os.listdir("/proc/self/fd")) <= fds + 1  # (the fresh array's copy segment, kept for reuse)
+    writer.close()

@@ -37,6 +37,15 @@ from ._strategy import get_inline_threshold
 # them apart. Every field comes from another process: one that names no array is a SegmentError, before
 # anything is made (shm_core.array_from checks the header: a dtype with no Python objects, fields or subarray,
 # dimensions that fit an array, its bytes exactly the array's or its view inside the segment).
+#
+# How a bare handle meets the other mechanisms: it is a message with one descriptor, so the receive's peek
+# (shm_core Note [descriptor headroom]) and the descriptor LRU (_shared Note [descriptors]: attach_fd) treat
+# it as any; its in-flight count is _recycle's REFS word, taken by Outgoing.fd_ref and given back by the
+# receiver once its view exists (a view made here counts as this process's, through the segment's
+# memoryview, the array's base), and an arena block's count likewise (_shared Note [arenas]); arrays the
+# shared allocator made (_alloc) are found by segment_of and go the same way. A message lost unreceived keeps
+# its counts, as a pickled handle's. The caches here hold dtypes only (a fork child's are as good as its
+# parent's).
 _HANDLE = struct.Struct("<cqqq")
 BARE_MAX = 64 * 1024 - 1024  # the largest header (255 dtype bytes, 64 dimensions) fits beside it in one message
 READONLY, FORTRAN, STRIDES = 1, 2, 4
@@ -78,17 +87,44 @@ def encode(arr: np.ndarray) -> tuple[bytes, Outgoing] | None:
         return None  # a named segment: pickled (Outgoing.named_ref)
     if not arr.flags.c_contiguous:
         flags |= STRIDES
-    out = Outgoing()
+    block = _shared.block_of(arr, seg)
+    out = _Handle(seg, block)
     try:
-        out.fd_ref(seg)
-        block = _shared.block_of(arr, seg)
-        if block is not None:
-            out.block_ref(seg, block)
         return shm_core.pack_array(_HANDLE.pack(b"B", seg.size, offset, -1 if block is None else block), arr,
                                    code, flags, False), out
     except BaseException:
         out.abort()
         raise
+
+
+class _Handle:
+    """What a bare handle holds until it is sent (an Outgoing of one array, Outgoing.fd_ref / block_ref's counts):
+    a dup of its segment's descriptor, and the in-flight counts of the segment and its arena block."""
+
+    __slots__ = ("block", "fds", "keep")
+    handles = True
+
+    def __init__(self, seg: shm_core.Segment, block: int | None):
+        self.fds = [_shared.fd_for_sending(seg, dup=True)]  # (raises when it cannot be re-opened: nothing taken)
+        self.keep, self.block = [seg], block
+        seg.fetch_add(_recycle.REFS, 1)
+        if block is not None:
+            seg.fetch_add(shm_core.HEADER_SIZE + block, 1)
+
+    def sent(self) -> None:
+        """In the socket: the receiver gives the counts back."""
+        if self.keep:
+            os.close(self.fds.pop())
+            self.keep.clear()
+
+    def abort(self) -> None:
+        """Never sent: the counts back."""
+        if self.keep:
+            os.close(self.fds.pop())
+            seg = self.keep.pop()
+            seg.fetch_add(_recycle.REFS, -1)
+            if self.block is not None:
+                seg.fetch_add(shm_core.HEADER_SIZE + self.block, -1)
 
 
 NOTHING = Outgoing()  # an inline array's: nothing to give back

@@ -238,12 +238,16 @@ def send_stream(sock: socket.socket, obj=None, *, raw=None) -> None:
     else:
         out, payload = _pickle(obj, Outgoing()) if raw is None else (NOTHING, raw)
     head = _HEAD.pack(len(payload), ord("H" if out.handles else "P"))
-    sent = shm_core.send_fds(sock, [head, payload], out.fds)
-    if sent < len(head):  # a large message: the rest goes without descriptors
-        sock.sendall(head[sent:])
-        sent = len(head)
-    if sent - len(head) < len(payload):
-        sock.sendall(memoryview(payload)[sent - len(head):])
+    try:
+        sent = shm_core.send_fds(sock, [head, payload], out.fds)
+        if sent < len(head):  # a large message: the rest goes without descriptors
+            sock.sendall(head[sent:])
+            sent = len(head)
+        if sent - len(head) < len(payload):
+            sock.sendall(memoryview(payload)[sent - len(head):])
+    except BaseException:  # (the peer gone, a signal): never received whole, so never rebuilt
+        out.abort()
+        raise
     out.sent()
 
 

@@ -19,7 +19,14 @@
  *     mp_reductions Note [shared allocation]).
  *
  * recv_many wraps recvmmsg (which Python's socket module lacks): several
- * datagrams of a socket in one system call, for readers of many small messages.
+ * datagrams of a socket in one system call, for readers of many small messages;
+ * file_id is fstat for (st_dev, st_ino) alone (os.fstat builds a whole result).
+ *
+ * pack_array / array_from lay out and read back the header of a message that is
+ * one array alone (mp_reductions Note [bare arrays]): in Python, packing and
+ * checking it cost more than the system calls that carry the message. They
+ * check that a received header names an array inside its buffer; which arrays
+ * go bare, and how their memory is counted, is mp_reductions'.
  *
  * No policy lives here: names, headers, validation and errors with remedies
  * are in shm_core/_segment.py.
@@ -1029,7 +1036,7 @@ bare_dtype(const unsigned char *code, Py_ssize_t n)
     static Py_ssize_t last_n = -1;
     static PyArray_Descr *last;
     PyObject *str;
-    PyArray_Descr *descr = NULL;
+    PyArray_Descr *descr = NULL, *old;
     if (last != NULL && n == last_n && memcmp(code, last_code, (size_t)n) == 0) {
         Py_INCREF(last);
         return last;
@@ -1056,11 +1063,12 @@ bare_dtype(const unsigned char *code, Py_ssize_t n)
         bare_error("its dtype holds Python objects, fields or a subarray, or is unsized");
         return NULL;
     }
-    Py_XDECREF(last);
+    old = last; /* the cache whole before the old one goes (its deallocation may run another thread) */
     Py_INCREF(descr);
     last = descr;
     memcpy(last_code, code, (size_t)n);
     last_n = n;
+    Py_XDECREF(old);
     return descr;
 }
 
