@@ -15,8 +15,8 @@ and messages between two processes:
   handles / 4 KiB        a stream of shared arrays' handles through a Queue, against the stdlib's
                          Queue pickling a 4 KiB array (messages per second)
 
-Both pools live side by side and alternate within each repeat; medians of the repeats are printed
-with their ratio (< 1: arraymp takes less time).
+Both pools live side by side and alternate run by run within each repeat (both see the same load of the
+machine); medians of the repeats are printed with their ratio (< 1: arraymp takes less time).
 """
 
 from __future__ import annotations
@@ -45,15 +45,17 @@ def _submit(executor, n: int):
     return [f.result() for f in [executor.submit(abs, i) for i in range(n)]]
 
 
-def _timed(run, *args) -> float:
-    """Seconds one ``run(*args)`` takes: the mean of as many runs as fill 50 ms (a map of 5,000 takes ~3 ms)."""
-    runs, t0 = 0, time.perf_counter()
-    while True:
-        run(*args)
+def _timed(run, a, b, n: int) -> tuple[float, float]:
+    """Seconds one ``run(x, n)`` takes with ``a`` and with ``b``: the means of runs alternating between the two until
+    each has run 50 ms (a map of 5,000 takes ~3 ms), so both see the same load of the machine."""
+    total, runs = [0.0, 0.0], 0
+    while min(total) < 0.05:
+        for k, x in enumerate((a, b)):
+            t0 = time.perf_counter()
+            run(x, n)
+            total[k] += time.perf_counter() - t0
         runs += 1
-        elapsed = time.perf_counter() - t0
-        if elapsed >= 0.05:
-            return elapsed / runs
+    return total[0] / runs, total[1] / runs
 
 
 def tasks(method: str, n: int, repeat: int, workers: int) -> dict[str, tuple[float, float]]:
@@ -67,14 +69,14 @@ def tasks(method: str, n: int, repeat: int, workers: int) -> dict[str, tuple[flo
             run(a, n), run(b, n)  # warm-up: workers started, imports done
             for _ in range(repeat):
                 pair = times.setdefault(name, ([], []))
-                pair[0].append(_timed(run, a, n))
-                pair[1].append(_timed(run, b, n))
+                for side, seconds in zip(pair, _timed(run, a, b, n), strict=True):
+                    side.append(seconds)
     with StdlibExecutor(workers, mp_context=std) as a, arraymp.ProcessPoolExecutor(workers, mp_context=ours) as b:
         _submit(a, n), _submit(b, n)
         for _ in range(repeat):
             pair = times.setdefault("submit", ([], []))
-            pair[0].append(_timed(_submit, a, n))
-            pair[1].append(_timed(_submit, b, n))
+            for side, seconds in zip(pair, _timed(_submit, a, b, n), strict=True):
+                side.append(seconds)
     return {k: (statistics.median(s), statistics.median(o)) for k, (s, o) in times.items()}
 
 
