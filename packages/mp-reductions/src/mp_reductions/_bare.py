@@ -47,7 +47,7 @@ from ._strategy import get_inline_threshold
 # its counts, as a pickled handle's. The caches here hold dtypes only (a fork child's are as good as its
 # parent's).
 _HANDLE = struct.Struct("<cqqq")
-BARE_MAX = 64 * 1024 - 1024  # the largest header (255 dtype bytes, 64 dimensions) fits beside it in one message
+BARE_MAX = 64 * 1024 - 1024  # _channel.INLINE less the largest header (255 dtype bytes, 64 dimensions)
 READONLY, FORTRAN, STRIDES = 1, 2, 4
 _CACHE_MAX = 256
 
