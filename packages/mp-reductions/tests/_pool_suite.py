@@ -14,6 +14,7 @@ import mp_reductions as mpr
 import numpy as np
 import pytest
 import shm_manager
+from mp_reductions import _pool
 
 TIMEOUT = 30
 
@@ -186,6 +187,22 @@ class PoolSuite:
             wait_for_pid(slots)
             for n in (1, 2, 7):
                 assert assert_prompt(pool.map, T.square, range(n), 1) == [x * x for x in range(n)]
+            assert not blocked.ready()
+
+    def test_several_tasks_queued_behind_a_long_one_run_on_an_idle_worker(self, ctx):
+        # a worker's queue holds up to DEPTH - 1 messages behind the one it runs: each is taken back, the first
+        # still queued first, for the worker that has nothing left (ms tasks go one per message)
+        slots = mpr.zeros_shared((1,), np.int64)
+        with mpr.Pool(2, context=ctx) as pool:
+            blocked = pool.apply_async(T.pid_then_sleep, (slots, 0, 60))
+            wait_for_pid(slots)
+            k = [w.pid if w else None for w in pool._inqueue.workers].index(int(slots[0]))
+            naps = pool.map_async(T.nap, [0.05] * 12, chunksize=1)
+            deadline = time.monotonic() + 10
+            while len(pool._inqueue.sent[k]) < _pool.DEPTH:
+                assert time.monotonic() < deadline, "the blocked worker's queue never filled"
+                time.sleep(0.001)
+            assert assert_prompt(naps.get, TIMEOUT) == [0.05] * 12
             assert not blocked.ready()
 
     def test_sigkill_of_an_idle_worker_loses_nothing(self, ctx):

@@ -14,7 +14,7 @@ What changed from the stdlib, and why::
 - All queues are our seqpacket ``SimpleQueue``, whatever the context: task
   arguments and results carry their arrays by shared memory (DESIGN.md).
 - Each worker has its own task queue (a slot) instead of one shared inqueue,
-  holding the message it runs and the next one: so the parent knows which
+  holding the message it runs and the next few: so the parent knows which
   tasks each worker took, and a worker that dies (a signal, the out-of-memory
   killer, ``os._exit``) fails the one it ran with ``WorkerLostError`` (the
   stdlib's Pool waits forever there); a task it had not started stays in the
@@ -55,7 +55,7 @@ while the parent still holds the results.
 
 Note [lost tasks]: the parent sends a worker's queue (slot k) a message (one
 task, or a batch: Note [batches]) only while slot k holds fewer than ``DEPTH``
-(2) unfinished ones (sent, and neither all their results read nor their loss
+(4) unfinished ones (sent, and neither all their results read nor their loss
 settled), under the slots' lock, and records each with its size in bytes; it
 keeps a reading end of every slot's queue. A worker takes its messages in
 order, so the messages still queued in slot k are always the last ones sent,
@@ -69,11 +69,15 @@ message queued on the short socket and the outqueue (all of the dead worker's
 are there by then; a receive that fails puts the settling off until one
 works), then fails the first recorded task that is still unfinished (its
 result did not come) with ``WorkerLostError`` and makes the others ready again
-(Note [batches]). A message queued behind a running one (the slot's total is
-its size alone) is moved, unchanged, to a slot left
-with nothing to do when no task is ready: its worker cannot have taken it
-meanwhile (a receive that finds nothing moves nothing), and the stdlib's
-shared inqueue would have run it there too. So every task is, whatever is
+(Note [batches]). The first message still queued behind a running one is
+moved, unchanged, to a slot left with nothing to do when no task is ready:
+the receive takes the oldest message still queued (its worker takes them in
+order, and may have taken some of those counted meanwhile: the message is
+told by its bytes, each holding its own (job, i) heads; a receive that finds
+nothing moves nothing); the rest stay the last ones sent, and the stdlib's
+shared inqueue would have run it there too. (DEPTH 4, not 2: the worker has
+its next messages at hand while the result handler, which sends the ready
+tasks, waits for the GIL; 2 cost a map of 8 chunks ~5% of its time.) So every task is, whatever is
 killed when, finished, failed, or queued for a live or starting worker;
 nothing depends on where a worker was killed (before or after its recvmsg,
 while unpickling, while sending its result), and no one waits for a slot
@@ -160,7 +164,7 @@ from ._channel import INLINE, Packet, check_openable, loads, recv_raw
 from ._queues import SimpleQueue
 from ._reductions import MAX_FDS, init_reductions
 
-DEPTH = 2  # messages sent to a worker's queue and unfinished: the one it runs and the next (Note [lost tasks])
+DEPTH = 4  # messages sent to a worker's queue and unfinished: the one it runs and the next ones (Note [lost tasks])
 BATCH_MAX = 64  # tasks in one message at most (Note [batches])
 BATCH_TIME = 0.002  # seconds of work a batch of short tasks is made to hold (Note [batches])
 _BATCH_BYTES = INLINE - 4096  # a batch's bodies at most: its head and kind byte fit in the rest of a message
@@ -267,15 +271,22 @@ def _drain(q) -> None:
 
 def _next_task(reader, waiter, dirty: bool):
     """The next task as _split's; collect garbage first when none comes within _IDLE_WAIT; EOFError once the
-    pool's process is gone (``waiter`` polls the reader and the parent's sentinel)."""
-    events = waiter.poll(_IDLE_WAIT * 1000) if dirty else None
-    if not events:
-        if dirty:
-            gc.collect()
-        events = waiter.poll()
-    if not any(fd == reader.fileno() and ev & select.POLLIN for fd, ev in events):
-        raise EOFError("the pool's process is gone")
-    return _split(*reader._recv())
+    pool's process is gone (``waiter`` polls the reader and the parent's sentinel). The receive never blocks:
+    the parent may take back the message that woke the poll (Note [lost tasks])."""
+    sock = reader._sock
+    while True:
+        try:
+            return _split(*recv_raw(sock, socket.MSG_DONTWAIT))  # as a rule the next one is queued already
+        except BlockingIOError:
+            pass
+        events = waiter.poll(_IDLE_WAIT * 1000) if dirty else None
+        if not events:
+            if dirty:
+                gc.collect()
+                dirty = False
+            events = waiter.poll()
+        if not any(fd == sock.fileno() and ev & select.POLLIN for fd, ev in events):
+            raise EOFError("the pool's process is gone")
 
 
 def worker(inqueue, outqueue, initializer=None, initargs=(), maxtasks=None, wrap_exception=False, group=None,
@@ -415,6 +426,21 @@ def _queued_bytes(q) -> int:
     return n[0]
 
 
+def _queued(sent, left: int) -> int:
+    """How many of a slot's unfinished messages (``sent``, in the order sent) are still queued, ``left`` bytes in
+    all: the last ones (Note [lost tasks])."""
+    n = size = 0
+    while n < len(sent) and size + sent[-1 - n][1] <= left:
+        size += sent[-1 - n][1]
+        n += 1
+    return n
+
+
+def _bytes(items: list[tuple]) -> bytes:
+    """The bytes of the message that holds ``items`` (as _message makes it)."""
+    return b"".join(map(bytes, _message(items)))
+
+
 class _Slots:
     """The workers' own task queues, the tasks each holds, and the deaths to settle (Note [lost tasks]).
 
@@ -540,16 +566,25 @@ class _Slots:
                 result._set(i, (False, e))
 
     def _take_back(self, k: int) -> None:
-        """Move to slot ``k`` a message not taken yet queued behind a running one (the lock held)."""
+        """Move to slot ``k`` the first message not taken yet of a slot whose worker runs another (the lock
+        held)."""
         for w, sent in enumerate(self.sent):
-            if len(sent) < 2 or _queued_bytes(self.queues[w]) != sent[-1][1]:
-                continue  # only the last one queued: the others taken
+            queued = _queued(sent, _queued_bytes(self.queues[w])) if len(sent) > 1 else 0
+            if not 0 < queued < len(sent):  # none queued, or none taken yet: its worker is about to take one
+                continue
             try:
                 data, fds, _ = shm_core.recv_fds(self.queues[w]._reader._sock, INLINE + 16, MAX_FDS + 1,
                                                  socket.MSG_DONTWAIT)
-            except OSError:  # its worker took it (BlockingIOError), or no descriptor free: it stays
+            except OSError:  # its worker took them (BlockingIOError), or no descriptor free: they stay
                 continue
-            message = sent.pop()
+            # the first one still queued: its worker may have taken some more meanwhile, in order
+            n = next((n for n in range(len(sent) - queued, len(sent)) if _bytes(sent[n][2]) == data), None)
+            if n is None:
+                for fd in fds:
+                    os.close(fd)
+                raise AssertionError(f"a message taken back from slot {w} is none of those it was sent")
+            message = sent[n]
+            del sent[n]
             try:
                 shm_core.send_fds(self.queues[k]._writer._sock, [data], fds)  # unchanged, counts and all
             except OSError as e:
@@ -609,9 +644,8 @@ class _Slots:
         with self.lock:
             k = self.workers.index(w)
             self.workers[k] = None
-            taken, queued, left = list(self.sent[k]), 0, _queued_bytes(self.queues[k])
-            while taken and queued + taken[-1][1] <= left:  # the queued ones are the last sent
-                queued += taken.pop()[1]
+            taken = list(self.sent[k])
+            del taken[len(taken) - _queued(taken, _queued_bytes(self.queues[k])):]
             self.deaths.append((k, w.pid, w.exitcode, taken))
 
     def lost(self, k: int, taken: list) -> tuple | None:
@@ -906,15 +940,19 @@ class Pool(mp_pool.Pool):
                     return
 
         pending = collections.deque()  # a result taken but not opened yet (_channel Note [opening named segments])
+        reader_fd, short_fd = reader.fileno(), short.fileno()
         while thread._state != mp_pool.TERMINATE and not (stopping and not cache):
-            if delay is None:
-                waiter.poll()  # results, the stop sentinel, and the worker handler's nudges wake it
+            if delay is None:  # results, the stop sentinel, and the worker handler's nudges wake it
+                ready = {fd for fd, _ in waiter.poll()}
             else:
                 time.sleep(delay)
             deaths += slots.take_deaths()
+            # a death is settled after every result its worker sent: both sockets are read then
+            everything = deaths or delay is not None
             try:
-                read_short()  # then every message on the outqueue: each death is settled after all its results
-                while True:
+                if everything or short_fd in ready:
+                    read_short()
+                while everything or pending or reader_fd in ready:
                     try:
                         msg = pending.popleft() if pending else _split(*recv_raw(reader._sock, socket.MSG_DONTWAIT))
                     except BlockingIOError:
