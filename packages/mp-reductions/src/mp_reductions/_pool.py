@@ -75,11 +75,12 @@ the receive takes the oldest message still queued (its worker takes them in
 order, and may have taken some of those counted meanwhile: the message is
 told by its bytes, each holding its own (job, i) heads; a receive that finds
 nothing moves nothing); the rest stay the last ones sent, and the stdlib's
-shared inqueue would have run it there too. (DEPTH 4, not 2: the worker has
+shared inqueue would have run it there too. (DEPTH 4, not 2: a worker has
 its next messages at hand while the result handler, which sends the ready
-tasks, waits for the GIL; 2 cost a map of 8 chunks ~5% of its time.) So every task is, whatever is
-killed when, finished, failed, or queued for a live or starting worker;
-nothing depends on where a worker was killed (before or after its recvmsg,
+tasks, waits for the GIL; 2 cost a map of 8 chunks ~5% of its time.) So
+every task is, whatever is killed when, finished, failed, or queued for a
+live or starting worker; nothing depends on where a worker was killed
+(before or after its recvmsg,
 while unpickling, while sending its result), and no one waits for a slot
 without a worker on its way to it (every death is recorded, and settling it
 frees the slot). Stop sentinels go to the slots only once no task is
