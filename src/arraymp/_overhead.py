@@ -30,6 +30,7 @@ from concurrent.futures import ProcessPoolExecutor as StdlibExecutor
 import numpy as np
 
 METHODS = ("fork", "spawn", "forkserver")
+BLOCK = 0.25  # seconds each pool runs a workload in one repeat at least (_timed)
 
 POOL = {
     "imap": lambda pool, n: list(pool.imap(abs, range(n))),
@@ -47,9 +48,10 @@ def _submit(executor, n: int):
 
 def _timed(run, a, b, n: int) -> tuple[float, float]:
     """Seconds one ``run(x, n)`` takes with ``a`` and with ``b``: the means of runs alternating between the two until
-    each has run 50 ms (a map of 5,000 takes ~3 ms), so both see the same load of the machine."""
+    each has run ``BLOCK`` seconds (a map of 5,000 takes ~3 ms: ~80 runs, so that a burst of load on a 2-core machine
+    moves the mean of a cell less), so both see the same load of the machine."""
     total, runs = [0.0, 0.0], 0
-    while min(total) < 0.05:
+    while min(total) < BLOCK:
         for k, x in enumerate((a, b)):
             t0 = time.perf_counter()
             run(x, n)

@@ -231,7 +231,7 @@ class PoolSuite:
     def test_results_either_side_of_the_short_limit(self, ctx):
         # results whose pickle fits a short frame go on the short socket, others on the outqueue: all arrive,
         # each to its own task, whatever the mix
-        sizes = [n for n in range(1900, 2100, 7)] * 3
+        sizes = [n for n in range(_pool._SHORT_MAX - 148, _pool._SHORT_MAX + 52, 7)] * 3
         with mpr.Pool(2, context=ctx) as pool:
             got = pool.map(T.sized, sizes, chunksize=1)
             assert got == [(n, b"x" * n) for n in sizes]
