@@ -156,7 +156,7 @@ def messages(method: str, n: int, repeat: int) -> dict[str, tuple[float, float]]
     return {k: (statistics.median(s), statistics.median(o)) for k, (s, o) in out.items()}
 
 
-def main(n: int = 5000, repeat: int = 3, workers: int = 2, methods=METHODS) -> int:
+def main(n: int = 5000, repeat: int = 5, workers: int = 2, methods=METHODS) -> int:
     print(f"per-task cost: {workers} workers, N = {n} tiny tasks, median of {max(repeat, 5)}; ratio = arraymp / stdlib "
           "(time: < 1 is faster)")
     print("| workload | " + " | ".join(f"{m}: stdlib s | arraymp s | ratio" for m in methods) + " |")

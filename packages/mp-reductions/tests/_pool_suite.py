@@ -295,7 +295,10 @@ class PoolSuite:
                     except multiprocessing.TimeoutError:
                         pytest.fail(f"a call never ended: {len(got)} results, {len(lost)} lost of 200")
                     if killed is None and len(got) + len(lost) >= kill_after:
-                        killed = rng.choice([p.pid for p in pool._pool if p.exitcode is None])
+                        live = [p.pid for p in pool._pool if p.exitcode is None]
+                        if not live:  # the last victim's replacement not started yet: try at the next result
+                            continue
+                        killed = rng.choice(live)
                         try:
                             os.kill(killed, signal.SIGKILL)
                         except ProcessLookupError:  # the last round's victim, reaped by the pool meanwhile

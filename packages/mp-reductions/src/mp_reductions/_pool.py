@@ -484,24 +484,23 @@ class _Slots:
                         _send(q._writer._sock, None, None)
             return
         job, i = task[:2]
-        if self.broken is not None:
-            self.failed.append((job, i, self.broken))
-            self.settle_failed()
-            return
         head = pickle.dumps((job, i))
         packet = Packet(task, head=head)  # may raise: the stdlib makes it the task's error
         weight = 1 if packet.plain else BATCH_MAX
         with self.lock:
-            while not self.closed and self.weight >= self.ready_max:
+            while not self.closed and self.broken is None and self.weight >= self.ready_max:
                 self.waiting = True
                 self.cond.wait()
             if self.closed:
                 packet.discard()
-                return
-            self.ready.append(((job, i), packet, len(head)))
-            self.weight += weight
-            if min(map(len, self.sent)) < DEPTH:  # else no slot takes it now
-                self._send_ready()
+            elif self.broken is not None:  # checked under the lock: break_ fails the ready tasks once, before
+                packet.discard()
+                self.failed.append((job, i, self.broken))
+            else:
+                self.ready.append(((job, i), packet, len(head)))
+                self.weight += weight
+                if min(map(len, self.sent)) < DEPTH:  # else no slot takes it now
+                    self._send_ready()
         self.settle_failed()
 
     def _send_ready(self) -> None:
@@ -910,8 +909,9 @@ class Pool(mp_pool.Pool):
                 result._set(i, obj)
 
         short, frames = slots.short._reader._sock, memoryview(bytearray(_SHORT_READ * _SHORT_MAX))
+        reader_fd, short_fd = reader.fileno(), short.fileno()
         waiter = select.poll()
-        for fd in (reader.fileno(), short.fileno()):
+        for fd in (reader_fd, short_fd):
             waiter.register(fd, select.POLLIN)
 
         def read_short() -> None:
@@ -941,7 +941,6 @@ class Pool(mp_pool.Pool):
                     return
 
         pending = collections.deque()  # a result taken but not opened yet (_channel Note [opening named segments])
-        reader_fd, short_fd = reader.fileno(), short.fileno()
         while thread._state != mp_pool.TERMINATE and not (stopping and not cache):
             if delay is None:  # results, the stop sentinel, and the worker handler's nudges wake it
                 ready = {fd for fd, _ in waiter.poll()}
@@ -959,7 +958,7 @@ class Pool(mp_pool.Pool):
                     except BlockingIOError:
                         break
                     try:
-                        check_openable(*msg[1:], reader.fileno())
+                        check_openable(*msg[1:], reader_fd)
                     except OSError:
                         pending.append(msg)
                         raise
