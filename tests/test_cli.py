@@ -150,6 +150,7 @@ def test_bench_overhead_prints_each_workload_with_its_ratio(capsys, monkeypatch)
     from arraymp._overhead import POOL, main
 
     monkeypatch.setattr(_overhead, "BLOCK", 0.01)  # the table's form is checked here, not its figures
+    monkeypatch.setattr(_overhead, "TURN", 0.005)
     assert main(n=200, repeat=1, methods=("fork",)) == 0
     out = capsys.readouterr().out
     for row in [*POOL, "submit", "ping-pong Queue (us)", "handles/s vs 4 KiB pickled/s"]:

@@ -15,8 +15,9 @@ and messages between two processes:
   handles / 4 KiB        a stream of shared arrays' handles through a Queue, against the stdlib's
                          Queue pickling a 4 KiB array (messages per second)
 
-Both pools live side by side and alternate run by run within each repeat (both see the same load of the
-machine); medians of the repeats are printed with their ratio (< 1: arraymp takes less time).
+Both pools live side by side and take turns of 50 ms within each repeat (both see the same load of the
+machine, and each pool's runs follow its own); medians of the repeats are printed with their ratio (< 1:
+arraymp takes less time).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import numpy as np
 
 METHODS = ("fork", "spawn", "forkserver")
 BLOCK = 0.25  # seconds each pool runs a workload in one repeat at least (_timed)
+TURN = 0.05  # seconds a pool runs a workload back to back before the other's turn (_timed)
 
 POOL = {
     "imap": lambda pool, n: list(pool.imap(abs, range(n))),
@@ -47,17 +49,22 @@ def _submit(executor, n: int):
 
 
 def _timed(run, a, b, n: int) -> tuple[float, float]:
-    """Seconds one ``run(x, n)`` takes with ``a`` and with ``b``: the means of runs alternating between the two until
-    each has run ``BLOCK`` seconds (a map of 5,000 takes ~3 ms: ~80 runs, so that a burst of load on a 2-core machine
-    moves the mean of a cell less), so both see the same load of the machine."""
-    total, runs = [0.0, 0.0], 0
+    """Seconds one ``run(x, n)`` takes with ``a`` and with ``b``: the means of runs in turns of ``TURN`` seconds (at
+    least one run) alternating between the two until each has run ``BLOCK`` seconds (a map of 5,000 takes ~3 ms: ~80
+    runs, so that a burst of load on a 2-core machine moves the mean of a cell less). Both see the same load of the
+    machine, and a pool's runs follow its own, as in a program that calls one pool again and again: what a pool still
+    does after a call returns (the stdlib's worker handler wakes when its cache empties) delays its own next call, not
+    the other pool's (run by run, the pool that ran second paid for the first one's wake)."""
+    total, runs = [0.0, 0.0], [0, 0]
     while min(total) < BLOCK:
         for k, x in enumerate((a, b)):
-            t0 = time.perf_counter()
-            run(x, n)
-            total[k] += time.perf_counter() - t0
-        runs += 1
-    return total[0] / runs, total[1] / runs
+            t0 = now = time.perf_counter()
+            while now - t0 < TURN:  # (at least one run: now is t0 at first)
+                run(x, n)
+                runs[k] += 1
+                now = time.perf_counter()
+            total[k] += now - t0
+    return total[0] / runs[0], total[1] / runs[1]
 
 
 def tasks(method: str, n: int, repeat: int, workers: int) -> dict[str, tuple[float, float]]:

@@ -6,6 +6,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from multiprocessing import pool as mp_pool
 
@@ -127,6 +128,40 @@ class PoolSuite:
             assert isinstance(errors[0], ValueError)
         assert got == [[T.square(x) for x in xs]]
         pool.join()
+
+    def test_a_closed_pool_joins_when_its_last_result_is_set(self, ctx):
+        # the cache wakes the worker handler when it empties only once the pool is closed: a pool closed while
+        # a task runs, or before its last result was set, must still join once that result is set
+        for when in ("running", "done"):
+            pool = mpr.Pool(2, context=ctx)
+            nap = pool.apply_async(T.nap, (0.3 if when == "running" else 0,))
+            if when == "done":
+                nap.wait(TIMEOUT)
+            pool.close()
+            joiner = threading.Thread(target=pool.join, daemon=True)
+            joiner.start()
+            joiner.join(20)
+            if joiner.is_alive():
+                pool.terminate()
+                pytest.fail(f"the pool closed with its last task {when} never joined")
+            assert nap.get(0) == (0.3 if when == "running" else 0)
+
+    def test_calls_do_not_wake_the_worker_handler(self, ctx, monkeypatch):
+        # the stdlib's cache wakes it each time it empties (the end of every call): ~150 us of the parent's CPU,
+        # on the GIL while the call returns and the next starts
+        wakes = []
+        wait = mpr.Pool._wait_for_updates
+        monkeypatch.setattr(mpr.Pool, "_wait_for_updates",
+                            staticmethod(lambda *args: (wakes.append(1), wait(*args))[1]))
+        with mpr.Pool(2, context=ctx) as pool:
+            pool.map(T.square, range(10))
+            before = len(wakes)
+            for _ in range(20):
+                assert pool.map(T.square, range(10)) == [x * x for x in range(10)]
+                assert pool.apply_async(T.square, (3,)).get(TIMEOUT) == 9
+            assert len(wakes) - before < 5, f"the worker handler woke {len(wakes) - before} times in 40 calls"
+            pool.close()
+            assert_prompt(pool.join)
 
     def test_initializer_and_maxtasksperchild(self, ctx):
         with mpr.Pool(2, initializer=T.set_value, initargs=("hello",), maxtasksperchild=2, context=ctx) as pool:
