@@ -48,3 +48,25 @@ def die():
     import signal
 
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _refuse_to_load():
+    raise ValueError("this result cannot be unpickled here")
+
+
+class Unloadable:
+    """A result that pickles in the worker and fails to unpickle in the caller."""
+
+    def __reduce__(self):
+        return _refuse_to_load, ()
+
+
+def unloadable():
+    return Unloadable()
+
+
+def nap(seconds):
+    import time
+
+    time.sleep(seconds)
+    return seconds

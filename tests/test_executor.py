@@ -171,3 +171,46 @@ def test_a_call_that_cannot_be_pickled_fails_alone_and_a_killed_worker_breaks_th
             doomed.result(timeout=60)
         with pytest.raises(concurrent.futures.process.BrokenProcessPool):
             ex.submit(_work.double, 1).result(timeout=60)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_queued_results_are_taken_without_waiting(method, monkeypatch):
+    # Note [manager wait]: the stdlib's manager thread waits on a selector of every channel and sentinel before
+    # each result; ours takes a result already queued. The futures' callbacks (run by the manager thread) sleep,
+    # so results queue up behind them: the stdlib's would wait once per result
+    import threading
+    import time
+    from multiprocessing import connection
+
+    waits, wait = Counter(), connection.wait
+
+    def counted(object_list, *args, **kwargs):
+        if len(object_list) > 1:  # the wait for a result (not a poll of the wakeup pipe alone, in its clear())
+            waits[threading.current_thread().name] += 1
+        return wait(object_list, *args, **kwargs)
+
+    monkeypatch.setattr(connection, "wait", counted)
+    with mp.ProcessPoolExecutor(2, mp_context=mp.get_context(method)) as ex:
+        assert ex.submit(_work.double, 1).result(timeout=60) == 2  # the manager thread started
+        manager = ex._executor_manager_thread.name
+        before = waits[manager]
+        naps = [ex.submit(_work.nap, 1.0) for _ in range(2)]  # no result comes before every callback is on
+        futures = [ex.submit(_work.double, i) for i in range(100)]
+        for f in futures:
+            f.add_done_callback(lambda f: time.sleep(0.005))
+        assert not any(f.done() for f in futures), "a result came before the callbacks were on (a stalled machine)"
+        assert [f.result(timeout=60) for f in naps] == [1.0, 1.0]
+        assert [f.result(timeout=60) for f in futures] == [2 * i for i in range(100)]
+        assert waits[manager] - before < 50, f"the manager waited {waits[manager] - before} times for 100 results"
+        # submit() still wakes it: its wakeup pipe is emptied as results are taken (a full one blocks submit())
+        assert [f.result(timeout=60) for f in [ex.submit(_work.double, i) for i in range(20_000)]] == \
+            [2 * i for i in range(20_000)]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_result_that_cannot_be_unpickled_breaks_the_pool_with_its_cause(method):
+    # as the stdlib's: the manager cannot tell which call it was, so the pool is broken, the error its cause
+    with mp.ProcessPoolExecutor(2, mp_context=mp.get_context(method)) as ex:
+        with pytest.raises(concurrent.futures.process.BrokenProcessPool) as info:
+            ex.submit(_work.unloadable).result(timeout=60)
+        assert "cannot be unpickled here" in str(info.value.__cause__)
