@@ -183,7 +183,6 @@ class ProcessPoolExecutor(futures.ProcessPoolExecutor):
         p.start()
         manager.processes[p.pid] = p
 
-
     def _start_executor_manager_thread(self):
         super()._start_executor_manager_thread()
         manager = self._executor_manager_thread

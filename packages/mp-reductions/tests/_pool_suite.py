@@ -151,8 +151,12 @@ class PoolSuite:
         # on the GIL while the call returns and the next starts
         wakes = []
         wait = mpr.Pool._wait_for_updates
-        monkeypatch.setattr(mpr.Pool, "_wait_for_updates",
-                            staticmethod(lambda *args: (wakes.append(1), wait(*args))[1]))
+
+        def counted(*args):
+            wakes.append(1)
+            return wait(*args)
+
+        monkeypatch.setattr(mpr.Pool, "_wait_for_updates", staticmethod(counted))
         with mpr.Pool(2, context=ctx) as pool:
             pool.map(T.square, range(10))
             before = len(wakes)
