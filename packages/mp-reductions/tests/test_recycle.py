@@ -123,6 +123,36 @@ def test_idle_recycled_segments_are_released():
     assert memfd_mappings() <= base
 
 
+def test_a_reaper_that_failed_is_replaced_at_the_next_arrival(monkeypatch):
+    """The reaper clears ``st.reaper`` however it exits (an arrival checks that alone, not is_alive()): one
+    that raised is started again by the next arrival, and what was kept is still released."""
+    failed = []
+
+    def fail_once(st):
+        monkeypatch.setattr(_recycle, "_drop_idle", real)
+        failed.append(True)
+        raise RuntimeError("reaper failed")
+
+    real = _recycle._drop_idle
+    monkeypatch.setattr(_recycle, "_drop_idle", fail_once)
+    monkeypatch.setattr("threading.excepthook", lambda args: None)
+    q = mpr.Queue()
+    q.put(np.full(100_000, 1.0))
+    assert q.get(timeout=5)[0] == 1.0
+    st = _recycle._state
+    deadline = time.monotonic() + 10
+    while st.reaper is not None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert failed and st.reaper is None and (st.pool or st.recent)
+    q.put(np.full(100_000, 2.0))
+    assert q.get(timeout=5)[0] == 2.0
+    assert st.reaper is not None and st.reaper.is_alive()
+    deadline = time.monotonic() + _recycle.IDLE + 5
+    while (st.pool or st.recent) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not st.pool and not st.recent
+
+
 def test_a_segment_held_longer_than_idle_comes_round_again():
     # idle means free and untaken: a receiver holding the copy for seconds does not get it dropped from the
     # pool (a Pool's map sends all its copies at once and they come back a while later), one whose message is

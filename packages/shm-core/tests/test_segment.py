@@ -349,6 +349,54 @@ def test_recv_fds_short_of_descriptors_leaves_the_message_queued():
     assert out.split() == ["msg", "3"]
 
 
+def test_send_fds_sends_one_message_of_its_buffers_and_descriptors():
+    """send_fds (one sendmsg, in C): any bytes-like buffers, the descriptors as SCM_RIGHTS; bad input raises
+    before anything is sent; a full socket raises BlockingIOError with MSG_DONTWAIT; a peer gone raises
+    BrokenPipeError even where SIGPIPE kills (sent with MSG_NOSIGNAL)."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    seg = shm_core.create_anonymous(64)
+    try:
+        with a, b:
+            before = len(os.listdir("/proc/self/fd"))
+            assert shm_core.send_fds(a, (b"ab", bytearray(b"cd"), memoryview(b"xefx")[1:3]), [seg.fd, seg.fd]) == 6
+            data, fds, _ = shm_core.recv_fds(b, 16, 4)
+            assert data == b"abcdef" and [shm_core.file_id(fd) for fd in fds] == [shm_core.file_id(seg.fd)] * 2
+            for fd in fds:
+                os.close(fd)
+            assert shm_core.send_fds(a, [b""]) == 0 and shm_core.recv_fds(b, 16, 4) == (b"", [], 0)
+            assert shm_core.send_fds(a, [bytes([k]) for k in range(200)]) == 200  # a Pool's batch: many buffers
+            assert shm_core.recv_fds(b, 256, 4) == (bytes(range(200)), [], 0)
+            for buffers, fds, error in (([b"x"], [-1], ValueError), ([b"x"], ["3"], TypeError),
+                                        ([b"x"], [1 << 40], ValueError), ([b"x"], [0] * 1025, ValueError),
+                                        (["text"], [], TypeError), (b"x", [], TypeError), ([b"x"], 3, TypeError),
+                                        ([memoryview(bytes(8))[::2]], [], BufferError)):
+                with pytest.raises(error):
+                    shm_core.send_fds(a, buffers, fds)
+            with pytest.raises(BlockingIOError):
+                while True:
+                    shm_core.send_fds(a, [bytes(4096)], [seg.fd], socket.MSG_DONTWAIT)
+            while shm_core.recv_many(b, bytearray(4096 * 64), 4096, socket.MSG_DONTWAIT):
+                pass  # (their descriptors dropped by the kernel)
+            with pytest.raises(BlockingIOError):
+                shm_core.recv_fds(b, 16, 4, socket.MSG_DONTWAIT)
+            assert len(os.listdir("/proc/self/fd")) == before
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        b.close()
+        with a:
+            out = run_child(f"""
+                import signal, socket, shm_core
+                signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+                s = socket.socket(fileno={a.fileno()})
+                try:
+                    shm_core.send_fds(s, [b"x"])
+                except BrokenPipeError:
+                    print("raised")
+            """, pass_fds=[a.fileno()])
+        assert out.split() == ["raised"]
+    finally:
+        seg.close()
+
+
 def test_file_id_names_the_file_a_descriptor_opens():
     seg = shm_core.create_anonymous(64)
     fd = os.dup(seg.fd)

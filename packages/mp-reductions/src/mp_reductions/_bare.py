@@ -49,6 +49,7 @@ from ._strategy import get_inline_threshold
 _HANDLE = struct.Struct("<cqqq")
 BARE_MAX = 64 * 1024 - 1024  # _channel.INLINE less the largest header (255 dtype bytes, 64 dimensions)
 READONLY, FORTRAN, STRIDES = 1, 2, 4
+_A, _B = b"AB"
 _CACHE_MAX = 256
 
 _codes: dict[int, tuple[np.dtype, bytes | None]] = {}  # id(dtype) -> (dtype, its code or None: not bare)
@@ -133,9 +134,10 @@ NOTHING = Outgoing()  # an inline array's: nothing to give back
 def decode(data, fds: list[int] | None) -> np.ndarray:
     """The array of a bare message's payload ``data`` (and ``fds``, its descriptors: closed or kept here)."""
     try:
-        if data[:1] == b"A" and fds is None:
+        kind = data[0]
+        if kind == _A and fds is None:
             return shm_core.array_from(data, 1, None, 0)
-        if data[:1] == b"B" and fds is not None and len(fds) == 1:
+        if kind == _B and fds is not None and len(fds) == 1:
             return _handle(data, fds)
         raise ValueError(f"kind {bytes(data[:1])!r} with {0 if fds is None else len(fds)} descriptors")
     except (ValueError, TypeError, IndexError, struct.error) as e:  # (SegmentError is a ValueError)

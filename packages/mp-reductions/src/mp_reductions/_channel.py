@@ -343,28 +343,35 @@ def _close(fds: list[int]) -> None:
 # with it may only hold the string "n": then the check is merely not needed).
 HEADROOM = 3
 _NAMED = b"\x8c\x01n"
+_BARE = b"AB"
 
 
 def check_openable(data, fds: list[int] | None, fd: int) -> None:
     """Raise OSError(EMFILE) when the received message ``(data, fds)`` may name a named segment and this process
     could not open it now (Note [opening named segments]); ``fd``: any descriptor of ours, dup'ed to try."""
-    # (the bytes under a view: a memoryview's ``in`` compares its items, never a substring)
-    if fds is not None and _NAMED in (data.obj if isinstance(data, memoryview) else data):
+    if fds is not None and _names_named(data):
         shm_core.check_headroom(fd, HEADROOM, "the message is kept: the next receive returns it")
+
+
+def _names_named(data) -> bool:
+    # (a bare array names none; the bytes under a view: a memoryview's ``in`` compares its items, never a substring)
+    return not (data and data[0] in _BARE) and _NAMED in (data.obj if isinstance(data, memoryview) else data)
 
 
 def loads_kept(msg: tuple, pending: collections.deque, sock: socket.socket):
     """``loads`` of a received message ``(data, fds)``, kept first in ``pending`` when it cannot be opened now."""
-    try:
-        check_openable(*msg, sock.fileno())
-    except OSError:
-        pending.appendleft(msg)
-        raise
-    return loads(*msg)
+    data, fds = msg
+    if fds is not None and _names_named(data):
+        try:
+            shm_core.check_headroom(sock.fileno(), HEADROOM, "the message is kept: the next receive returns it")
+        except OSError:
+            pending.appendleft(msg)
+            raise
+    return loads(data, fds)
 
 
 def loads(data: bytes, fds: list[int] | None):
-    if data[:1] in (b"A", b"B"):  # Note [bare arrays]
+    if data and data[0] in _BARE:  # Note [bare arrays]
         return decode(data, fds)
     if fds is None:
         return pickle.loads(data)

@@ -222,29 +222,36 @@ def copies_lost(segments) -> None:
 
 def received(seg: shm_core.Segment) -> None:
     """A receiver keeps the mapping of a segment for its next arrival (recycled or shared)."""
-    st = _state
+    st, now = _state, time.monotonic()
     with st.lock:
-        old = st.recent.pop(seg.key, None)
-        if old is None:
+        recent = st.recent
+        known = recent.pop(seg.key, None)
+        recent[seg.key] = (seg, now)
+        if known is None:
             st.recent_bytes += seg.length
-        st.recent[seg.key] = (seg, time.monotonic())
-        while st.recent_bytes > KEEP_BYTES and st.recent:
-            _, (old_seg, _) = st.recent.popitem(last=False)
-            st.recent_bytes -= old_seg.length
+            while st.recent_bytes > KEEP_BYTES and recent:
+                _, (old_seg, _) = recent.popitem(last=False)
+                st.recent_bytes -= old_seg.length
         _ensure_reaper(st)
 
 
 def _ensure_reaper(st: _State) -> None:
-    if st.reaper is None or not st.reaper.is_alive():
+    """(Lock held.) The reaper clears ``st.reaper`` as it exits, under the lock: a check of it is enough."""
+    if st.reaper is None:
         st.reaper = threading.Thread(target=_reap, args=(st,), name="arraymp-recycler", daemon=True)
         st.reaper.start()
 
 
 def _reap(st: _State) -> None:
-    while True:
-        time.sleep(min(IDLE / 4, 0.25))
-        if _drop_idle(st):
-            return
+    try:
+        while True:
+            time.sleep(min(IDLE / 4, 0.25))
+            if _drop_idle(st):
+                return
+    finally:  # (an error: the next arrival starts another)
+        with st.lock:
+            if st.reaper is threading.current_thread():
+                st.reaper = None
 
 
 def _drop_idle(st: _State) -> bool:

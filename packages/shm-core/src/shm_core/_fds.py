@@ -8,7 +8,6 @@ no message: see Note [descriptor headroom].
 
 from __future__ import annotations
 
-import array
 import errno
 import os
 import resource
@@ -45,9 +44,9 @@ from . import _native
 
 
 def send_fds(sock: socket.socket, buffers, fds=(), flags: int = 0) -> int:
-    """Send ``buffers`` (a list of bytes-like) and ``fds`` in one sendmsg."""
-    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-    return sock.sendmsg(buffers, anc, flags)
+    """Send ``buffers`` (a list of bytes-like) and ``fds`` in one sendmsg; how many bytes went.
+    A peer gone raises BrokenPipeError, never SIGPIPE."""
+    return _native.send_fds(sock.fileno(), buffers, fds, flags)
 
 
 # plain ints: the socket module's are enums, whose & and | cost microseconds per message

@@ -722,6 +722,99 @@ fail:
     return NULL;
 }
 
+#define SEND_BUFFERS_ON_STACK 16
+
+/* send_fds(fd, buffers, fds, flags) -> bytes sent: one sendmsg of the bytes-like objects of the sequence
+ * `buffers` (a Pool's batch is a hundred or more; the kernel takes IOV_MAX) with the descriptors of the
+ * sequence `fds` as SCM_RIGHTS (at most RECV_FDS_MAX here; the kernel takes SCM_MAX_FD), the GIL released,
+ * EINTR retried (signals checked), MSG_NOSIGNAL (a peer gone: BrokenPipeError, never SIGPIPE).
+ * socket.sendmsg builds its ancillary data from Python tuples: a microsecond a message. */
+static PyObject *
+native_send_fds(PyObject *mod, PyObject *args)
+{
+    int fd, flags;
+    PyObject *bufs_arg, *fds_arg, *bufs = NULL, *fdseq = NULL, *res = NULL;
+    Py_buffer stack_views[SEND_BUFFERS_ON_STACK], *views = stack_views;
+    struct iovec stack_iov[SEND_BUFFERS_ON_STACK], *iov = stack_iov;
+    union {
+        struct cmsghdr align;
+        char buf[CMSG_SPACE(RECV_FDS_MAX * sizeof(int))];
+    } control;
+    struct msghdr msg;
+    Py_ssize_t nbufs, nfds, got = 0, i;
+    ssize_t r;
+    if (!PyArg_ParseTuple(args, "iOOi:send_fds", &fd, &bufs_arg, &fds_arg, &flags))
+        return NULL;
+    bufs = PySequence_Fast(bufs_arg, "buffers must be a sequence of bytes-like objects");
+    fdseq = bufs == NULL ? NULL : PySequence_Fast(fds_arg, "fds must be a sequence of descriptors");
+    if (fdseq == NULL)
+        goto done;
+    nbufs = PySequence_Fast_GET_SIZE(bufs);
+    nfds = PySequence_Fast_GET_SIZE(fdseq);
+    if (nfds > RECV_FDS_MAX) {
+        PyErr_Format(PyExc_ValueError, "at most %d descriptors in one message", RECV_FDS_MAX);
+        goto done;
+    }
+    if (nbufs > SEND_BUFFERS_ON_STACK) {
+        views = PyMem_New(Py_buffer, nbufs);
+        iov = PyMem_New(struct iovec, nbufs);
+        if (views == NULL || iov == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    memset(&msg, 0, sizeof(msg));
+    for (got = 0; got < nbufs; got++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(bufs, got), &views[got], PyBUF_SIMPLE) < 0)
+            goto done;
+        iov[got].iov_base = views[got].buf;
+        iov[got].iov_len = (size_t)views[got].len;
+    }
+    msg.msg_iov = iov;
+    msg.msg_iovlen = (size_t)nbufs;
+    if (nfds > 0) {
+        struct cmsghdr *c;
+        int *out;
+        msg.msg_control = control.buf;
+        msg.msg_controllen = CMSG_SPACE((size_t)nfds * sizeof(int));
+        memset(control.buf, 0, msg.msg_controllen);
+        c = CMSG_FIRSTHDR(&msg);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN((size_t)nfds * sizeof(int));
+        out = (int *)CMSG_DATA(c);
+        for (i = 0; i < nfds; i++) {
+            long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(fdseq, i));
+            if (v == -1 && PyErr_Occurred())
+                goto done;
+            if (v < 0 || v > INT_MAX) {
+                PyErr_Format(PyExc_ValueError, "%ld is not a descriptor", v);
+                goto done;
+            }
+            out[i] = (int)v;
+        }
+    }
+    do {
+        Py_BEGIN_ALLOW_THREADS
+        r = sendmsg(fd, &msg, flags | MSG_NOSIGNAL);
+        Py_END_ALLOW_THREADS
+    } while (r < 0 && errno == EINTR && !PyErr_CheckSignals());
+    if (r >= 0)
+        res = PyLong_FromSsize_t(r);
+    else if (!PyErr_Occurred())
+        PyErr_SetFromErrno(PyExc_OSError); /* EAGAIN: BlockingIOError, EPIPE: BrokenPipeError */
+done:
+    for (i = 0; i < got; i++)
+        PyBuffer_Release(&views[i]);
+    if (views != stack_views)
+        PyMem_Free(views);
+    if (iov != stack_iov)
+        PyMem_Free(iov);
+    Py_XDECREF(bufs);
+    Py_XDECREF(fdseq);
+    return res;
+}
+
 /* ------------------------------------------------------- numpy allocator */
 
 /* The policy (mp_reductions Note [shared allocation]): `owned` maps the address
@@ -1205,6 +1298,8 @@ static PyMethodDef native_methods[] = {
     {"recv_fds", native_recv_fds, METH_VARARGS,
      "recv_fds(fd, bufsize, maxfds, flags) -> (data, [fd, ...], msg_flags): peek, then receive one message "
      "with its descriptors; (None, [], msg_flags) when the peek's were truncated (the message stays queued)"},
+    {"send_fds", native_send_fds, METH_VARARGS,
+     "send_fds(fd, buffers, fds, flags) -> bytes sent: one sendmsg, the descriptors as SCM_RIGHTS."},
     {"recv_many", native_recv_many, METH_VARARGS,
      "recv_many(fd, buffer, size, flags) -> [(length, msg_flags), ...]: recvmmsg, message k in "
      "buffer[k * size:], no ancillary data."},
