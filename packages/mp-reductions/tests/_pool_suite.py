@@ -146,6 +146,35 @@ class PoolSuite:
                 pytest.fail(f"the pool closed with its last task {when} never joined")
             assert nap.get(0) == (0.3 if when == "running" else 0)
 
+    def test_apply_results_wait_as_the_stdlibs(self, ctx):
+        # an apply_async result's Event is a _Done (a lock held until set): ready / successful / wait / get with
+        # and without timeouts, several threads waiting, callbacks run before waiters return, errors, as the stdlib's
+        with mpr.Pool(2, context=ctx) as pool:
+            got = []
+            r = pool.apply_async(T.nap, (1.0,), callback=got.append)
+            assert isinstance(r, mp_pool.ApplyResult) and not r.ready()
+            with pytest.raises(ValueError, match="not ready"):
+                r.successful()
+            assert r.wait(0.05) is None and not r.ready()
+            with pytest.raises(multiprocessing.TimeoutError):
+                r.get(0)
+            with pytest.raises(multiprocessing.TimeoutError):
+                r.get(-1)
+            seen = []
+            waiters = [threading.Thread(target=lambda: seen.append((r.get(TIMEOUT), list(got)))) for _ in range(4)]
+            waiters += [threading.Thread(target=lambda: seen.append((r.wait(TIMEOUT), r.ready()))) for _ in range(4)]
+            for t in waiters:
+                t.start()
+            for t in waiters:
+                t.join(TIMEOUT)
+            assert sorted(seen, key=repr) == [(1.0, [1.0])] * 4 + [(None, True)] * 4
+            assert r.ready() and r.successful() and r.get(0) == r.get() == 1.0 and got == [1.0]
+            bad = pool.apply_async(T.fail, (5,), error_callback=got.append)
+            with pytest.raises(ValueError, match="bad 5"):
+                bad.get(TIMEOUT)
+            assert bad.ready() and not bad.successful() and isinstance(got[-1], ValueError)
+            assert pool.apply(T.square, (7,)) == 49
+
     def test_calls_do_not_wake_the_worker_handler(self, ctx, monkeypatch):
         # the stdlib's cache wakes it each time it empties (the end of every call): ~150 us of the parent's CPU,
         # on the GIL while the call returns and the next starts

@@ -376,3 +376,28 @@ def test_a_send_to_a_closed_pipe_gives_back_what_it_held(duplex):
     assert seg.load(_recycle.REFS) == refs
     assert len(os.listdir("/proc/self/fd")) <= fds + 1  # (the fresh array's copy segment, kept for reuse)
     writer.close()
+
+
+def test_a_pool_results_done_flag_sets_once_and_wakes_every_waiter():
+    """_pool._Done (an apply_async result's Event): set any number of times from several threads while others
+    wait, with and without timeouts; every waiter returns True once set, none raises, a later wait is at once."""
+    import threading
+
+    from mp_reductions._pool import _Done
+
+    def call(errors, out, fn, *args):
+        try:
+            out.append(fn(*args))
+        except BaseException as e:  # (a second set that released a waiter's hold: RuntimeError)
+            errors.append(e)
+
+    for _ in range(200):
+        done, errors, woke = _Done(), [], []
+        assert not done.is_set() and done.wait(0) is False and done.wait(0.001) is False
+        threads = [threading.Thread(target=call, args=(errors, woke, done.wait, t)) for t in (None, 30, None, 30)]
+        threads += [threading.Thread(target=call, args=(errors, [], done.set)) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not errors and woke == [True] * 4 and done.is_set() and done.wait() and done.wait(0)
