@@ -20,7 +20,9 @@
  *
  * recv_many wraps recvmmsg (which Python's socket module lacks): several
  * datagrams of a socket in one system call, for readers of many small messages;
- * file_id is fstat for (st_dev, st_ino) alone (os.fstat builds a whole result).
+ * file_id is fstat for (st_dev, st_ino) alone (os.fstat builds a whole result);
+ * send_fds is sendmsg with SCM_RIGHTS (socket.sendmsg builds them from Python
+ * tuples, a microsecond of every message that carries an array's descriptor).
  *
  * pack_array / array_from lay out and read back the header of a message that is
  * one array alone (mp_reductions Note [bare arrays]): in Python, packing and
