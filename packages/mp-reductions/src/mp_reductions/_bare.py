@@ -49,7 +49,8 @@ from ._strategy import get_inline_threshold
 _HANDLE = struct.Struct("<cqqq")
 BARE_MAX = 64 * 1024 - 1024  # _channel.INLINE less the largest header (255 dtype bytes, 64 dimensions)
 READONLY, FORTRAN, STRIDES = 1, 2, 4
-_A, _B = b"AB"
+BARE_KINDS = b"AB"  # a bare message's first byte: its bytes, its handle
+_A, _B = BARE_KINDS
 _CACHE_MAX = 256
 
 _codes: dict[int, tuple[np.dtype, bytes | None]] = {}  # id(dtype) -> (dtype, its code or None: not bare)

@@ -32,7 +32,7 @@ from multiprocessing.reduction import ForkingPickler
 import numpy as np
 import shm_core
 
-from ._bare import NOTHING, decode, encode
+from ._bare import BARE_KINDS, NOTHING, decode, encode
 from ._reductions import MAX_FDS, CopyMiss, Incoming, Outgoing, tls
 
 INLINE = 64 * 1024
@@ -343,7 +343,6 @@ def _close(fds: list[int]) -> None:
 # with it may only hold the string "n": then the check is merely not needed).
 HEADROOM = 3
 _NAMED = b"\x8c\x01n"
-_BARE = b"AB"
 
 
 def check_openable(data, fds: list[int] | None, fd: int) -> None:
@@ -355,23 +354,22 @@ def check_openable(data, fds: list[int] | None, fd: int) -> None:
 
 def _names_named(data) -> bool:
     # (a bare array names none; the bytes under a view: a memoryview's ``in`` compares its items, never a substring)
-    return not (data and data[0] in _BARE) and _NAMED in (data.obj if isinstance(data, memoryview) else data)
+    return not (data and data[0] in BARE_KINDS) and _NAMED in (data.obj if isinstance(data, memoryview) else data)
 
 
 def loads_kept(msg: tuple, pending: collections.deque, sock: socket.socket):
     """``loads`` of a received message ``(data, fds)``, kept first in ``pending`` when it cannot be opened now."""
     data, fds = msg
-    if fds is not None and _names_named(data):
-        try:
-            shm_core.check_headroom(sock.fileno(), HEADROOM, "the message is kept: the next receive returns it")
-        except OSError:
-            pending.appendleft(msg)
-            raise
+    try:
+        check_openable(data, fds, sock.fileno())
+    except OSError:
+        pending.appendleft(msg)
+        raise
     return loads(data, fds)
 
 
 def loads(data: bytes, fds: list[int] | None):
-    if data and data[0] in _BARE:  # Note [bare arrays]
+    if data and data[0] in BARE_KINDS:  # Note [bare arrays]
         return decode(data, fds)
     if fds is None:
         return pickle.loads(data)
