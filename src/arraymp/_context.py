@@ -22,7 +22,7 @@ from concurrent.futures import process as _futures_process
 from multiprocessing import context as mpc
 
 from mp_reductions import Queue as _Queue
-from mp_reductions import set_shared_allocation
+from mp_reductions import prepare_worker
 
 
 class _ArrayContext:
@@ -205,7 +205,9 @@ class _ManagerThread(_futures_process._ExecutorManagerThread):
         except BaseException as e:  # as the stdlib's: the pool is broken, this the cause
             return None, True, traceback.format_exception(type(e), e, e.__traceback__)
         fd = self.thread_wakeup._reader.fileno()
-        if select.select([fd], [], [], 0)[0]:  # cleared as the stdlib's at every wake: a full pipe blocks submit()
+        ready = select.poll()  # (select.select fails past descriptor 1023)
+        ready.register(fd, select.POLLIN)
+        if ready.poll(0):  # cleared as the stdlib's at every wake: a full pipe blocks submit()
             os.read(fd, _PIPE_SIZE)  # every wakeup in it: each is one write of 4 bytes, whole (< PIPE_BUF)
         return result_item, False, None
 
@@ -216,9 +218,9 @@ class _CallQueue(_futures_process._SafeQueue, _Queue):
 
 
 def _start_worker(shared_results: bool, initializer, initargs) -> None:
-    """An executor worker's first call: its results are born in shared memory (or not), then the user's
-    initializer runs."""
-    set_shared_allocation(shared_results)
+    """An executor worker's first call: its big arrays are born in shared memory, private (or not), and it goes
+    first to the out-of-memory killer (mp_reductions.prepare_worker); then the user's initializer runs."""
+    prepare_worker(shared_results)
     if initializer is not None:
         initializer(*initargs)
 

@@ -320,6 +320,11 @@ def test_malformed_frames_raise_and_keep_no_descriptor(receiver, good_segment):
             ([b"S", (64).to_bytes(8, "little")], [], "fits no kind"),  # spilled, its descriptor missing
             ([b"S", b"\1"], [spill], "fits no kind"),  # spilled, its length cut short
             ([b"S", (1 << 40).to_bytes(8, "little")], [spill, good_segment.fd], "1099511627776"),  # too long
+            # in parts (Note [spilled pickles]): more parts than descriptors, none, or parts that do not add up
+            ([b"S", (128).to_bytes(8, "little") + (3).to_bytes(2, "little")], [spill, spill], "into 3 of its 2"),
+            ([b"S", (128).to_bytes(8, "little") + (0).to_bytes(2, "little")], [spill, spill], "into 0 of its 2"),
+            ([b"S", (100).to_bytes(8, "little") + (2).to_bytes(2, "little")], [spill, spill], "not the message's 100"),
+            ([b"S", (1 << 40).to_bytes(8, "little") + (2).to_bytes(2, "little")], [spill, spill], "1099511627776"),
             ([b"Z", pickle.dumps(np.arange(3.0))], [good_segment.fd], "kind b'Z'"),
         ]:
             shm_core.send_fds(receiver.q._writer._sock, frame, fds)

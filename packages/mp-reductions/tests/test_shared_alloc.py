@@ -37,12 +37,12 @@ def born(*args, fill=None):
         return np.full(*args, fill) if fill is not None else np.zeros(*args)
 
 
-def test_pool_results_are_born_shared_and_equal_to_those_without(ctx):
+def test_pool_results_the_worker_keeps_come_back_as_copies_equal_to_those_without(ctx):
     # a Pool of 1: the task that reads the kept result runs where it was made; on by default
     with mpr.Pool(1, context=ctx) as pool:
         on = pool.map(T.result_kept, range(4))
         on[2][:] = -1
-        assert pool.apply(T.kept_value, (2,)) == -1  # the worker's own array: nothing was copied
+        assert pool.apply(T.kept_value, (2,)) == 2  # kept by the worker: a snapshot (Note [moving results])
     with mpr.Pool(1, context=ctx, shared_results=False) as pool:
         off = pool.map(T.result_kept, range(4))
         off[2][:] = -1
@@ -238,3 +238,116 @@ def test_interpreter_exit_with_live_handler_arrays_is_clean():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT)
     assert r.returncode == 0 and r.stdout.strip() == "done", r.stderr
     assert "Exception ignored" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+# ------------------------------------------------- born private (Pool and executor workers: issue 35)
+def private(*args, fill=0.0):
+    """An array born private, as a Pool worker makes it (plain numpy code, under set_shared_allocation(private))."""
+    from mp_reductions import _alloc
+
+    token = _alloc._private.set(True)
+    old = mpr_native().swap_handler(mpr_native().shared_handler)
+    try:
+        return np.full(*args, fill)
+    finally:
+        mpr_native().swap_handler(old)
+        _alloc._private.reset(token)
+
+
+def mpr_native():
+    from mp_reductions import _alloc
+
+    _alloc._install()
+    return _alloc._native
+
+
+def private_segment(a):
+    from mp_reductions import _shared
+
+    found = _shared.segment_of(a, _shared.BORN_PRIVATE)
+    return None if found is None else found[0]
+
+
+KEPT_HERE = []
+
+
+def test_a_born_private_array_is_a_plain_arrays_memory_to_everyone_but_a_move():
+    a = private(T.N, fill=3.0)
+    assert private_segment(a) is not None and not mpr.is_shared(a) and not mpr.is_shared(a[10:])
+    q = mpr.Queue()
+    q.put(a)  # a plain array's way: a copy
+    b = q.get(timeout=TIMEOUT)
+    b[:] = -1
+    assert (a == 3).all()
+    shared = mpr.share_memory({"a": a})["a"]  # a copy of it, as of any unshared array
+    assert mpr.is_shared(shared) and mpr_segment(shared) is not private_segment(a)
+
+
+def test_moves_gives_only_arrays_held_by_the_result_alone():
+    # each result is built so that no local of this test holds what it holds (a local is a reference from elsewhere)
+    from mp_reductions._alloc import moves
+
+    result = (True, private(T.N))
+    assert moves(result) == {id(result[1])}
+    fresh = result[1]
+    assert moves(result) == set()  # the local ``fresh`` holds it too
+    del fresh
+    KEPT_HERE.append(private(T.N))  # a global holds it: never moved, nor a view of it
+    assert moves((True, KEPT_HERE[-1])) == set() and moves((True, [KEPT_HERE[-1][1:]])) == set()
+    base = private((2, T.N))
+    result = (True, [{"row": base[1], "col": base[:, 3]}])
+    assert moves(result) == set()  # the local ``base`` holds the base of both views
+    del base
+    row, col = result[1][0]["row"], result[1][0]["col"]
+    assert moves(result) == set()  # and now ``row`` and ``col`` hold them
+    result[1].append((row, row))
+    del row, col
+    row, col = (id(result[1][0]["row"]), id(result[1][0]["col"]))
+    assert moves(result) == {row, col, id(result[1][0]["row"].base)}
+    KEPT_HERE.append([private(T.N)])  # the list is held elsewhere: what it holds is too
+    assert moves((True, KEPT_HERE[-1])) == set()
+    result = (True, [private(T.N)])
+    result[1].append(result[1])  # a cycle of the result's own
+    assert moves(result) == {id(result[1][0])}
+    result = (True, private(T.N))
+    other = result[1][::2]  # a view kept outside the result pins its base
+    assert moves(result) == set()
+    del other
+    assert moves(result) == {id(result[1])}
+    assert moves((True, [[0] * 50_000, [1] * 50_001, private(T.N)])) == set()  # past WALK_MAX: copied, never wrong
+    assert moves((True, np.ones(T.N))) == set()  # numpy's own memory: nothing to move
+    assert moves((True, [1, "x", None])) == set()
+    KEPT_HERE.clear()
+
+
+def test_fork_gives_the_child_born_private_arrays_copy_on_write():
+    import shm_core
+    from mp_reductions import _shared
+
+    a = private(T.N, fill=2.0)
+    seg = private_segment(a)
+    views_before = seg.load(_shared._VIEWS)
+    file = shm_core.attach_fd(_shared.fd_for_sending(seg, dup=True))  # the file itself, mapped once more
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its writes are its own, and it sees the array as it was at the fork
+        os.close(r)
+        try:
+            ok = (a == 2).all()
+            a[:] = 4
+            os.write(w, b"ok" if ok else b"bad")
+        finally:
+            os._exit(0)
+    os.close(w)
+    assert os.read(r, 8) == b"ok"
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert (a == 2).all()
+    assert private_segment(a) is None and not mpr.is_shared(a)  # this process's memory now: never moved
+    assert file.load(_shared._VIEWS) == views_before - 1  # the file's views word was given back
+    assert seg.fd < 0 and (np.frombuffer(file, np.float64, T.N) == 2).all()  # its descriptor closed, the file as was
+    file.close()
+    a[:] = 5  # ordinary memory: written, freed, never pooled
+    del a
+    again = private(T.N, fill=7.0)
+    assert private_segment(again) is not seg and (again == 7).all()

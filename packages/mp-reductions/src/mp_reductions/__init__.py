@@ -11,7 +11,7 @@ from birth (NEP 49), so they travel with no copy at all.
 
 from ._alloc import set_shared_allocation, shared_allocation
 from ._connection import Connection, Pipe
-from ._pool import Pool, WorkerLostError, WorkerStartError
+from ._pool import Pool, WorkerLostError, WorkerStartError, prepare_worker
 from ._queues import JoinableQueue, Queue, SimpleQueue
 from ._recycle import copies_lost, message_copies
 from ._reductions import init_reductions, rebuild_ndarray, reduce_ndarray
@@ -41,6 +41,7 @@ __all__ = [
     "init_reductions",
     "is_shared",
     "message_copies",
+    "prepare_worker",
     "rebuild_ndarray",
     "reduce_ndarray",
     "set_inline_threshold",

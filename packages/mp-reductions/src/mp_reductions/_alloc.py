@@ -4,9 +4,9 @@ numpy lets an extension choose where array data lives: a data-memory handler,
 chosen per context (a ``contextvars`` variable: per thread, per asyncio task).
 shm_core's handler (C, ``_native.shared_handler``) asks this module for a
 segment for every allocation of ``THRESHOLD`` bytes or more and hands smaller
-ones to numpy's default handler. An array whose data lies in a segment travels
-as a handle, with no copy (``_shared.segment_of`` finds it), so a Pool worker's
-fresh result is never copied into a message segment.
+ones to numpy's default handler. An array whose data lies in a segment can
+travel as a handle, with no copy, so a Pool worker's fresh result is never
+copied into a message segment.
 
 Note [shared allocation]: the handler's segments are the recycling pool's
 (_recycle Note [recycling]) and obey its one invariant: a segment is reused
@@ -28,14 +28,55 @@ it, and the reaper runs while any segment is lent). A free while the
 interpreter shuts down leaves the segment mapped (the C handler holds
 ``owned`` for good): the process is ending, and a memfd has no name to leak.
 
+Two kinds of allocation (``_shared.owned`` says which):
+
+- born shared (``shared_allocation()``, ``set_shared_allocation(True)``): the
+  user asked for shared memory. Such an array is shared like an
+  ``empty_shared`` one: it travels as a handle on every channel, and a fork
+  child shares it with its parent (writes seen both ways).
+- born private (Pool and executor workers, ``set_shared_allocation(True,
+  private=True)``): the user asked for nothing, so the array keeps a plain
+  numpy array's semantics. Sent, it is copied as a plain array is (``segment_of``
+  does not see it), unless the message *moves* it (Note [moving results]); a
+  fork child gets it copy-on-write (Note [private at fork]).
+
 Fork (_shared Note [fork]): a fork child inherits the arrays, ``owned`` and the
 mappings, and the parent counted the child's view of each segment before the
 fork (the views in ``owned`` are buffer exports). The child's free gives that
 count back and drops the segment; only the process that made a segment pools
 it (``_recycle._pool_returned``), so a child never hands its parent's memory to
-a new array. The mappings are shared, as for ``empty_shared`` arrays: a fork
-child's writes to an inherited array are seen by its parent (not
-copy-on-write).
+a new array.
+
+Note [private at fork]: a fork child must get a born-private array
+copy-on-write, as numpy's own memory: a helper that doubles its copy must not
+double the parent's. Before every fork (an at-fork hook, which runs before
+_shared's: it was registered after it), each live born-private allocation is
+*privatized*: its mapping is replaced, at the same address, by private
+anonymous memory holding a copy (``Mapping.privatize``: one memcpy and an
+mremap), the file's views word is given back, the segment leaves the table and
+its descriptor is closed. From then on it is ordinary process memory, in the
+parent and (copy-on-write) in the child: kind PRIVATIZED, never moved, never
+pooled; numpy's free unmaps it. A write made by another thread of the parent
+between the copy and the mremap is lost (a fork with threads running is unsafe
+in any case). Where the copy finds no memory the allocation stays shared with
+the child, as before this Note.
+
+Note [moving results]: a born-private array goes as a handle with no copy only
+when it is moved: the sender holds no other reference to it, so nothing in
+the sender can write it or read it afterwards (results are snapshots, and the
+caller's writes never reach the worker). A Pool worker asks ``moves(result)``
+before pickling a task's result: it walks the result (lists, tuples and
+dicts, exactly those types, and each array's chain of bases; at most
+``WALK_MAX`` references) counting how many references each object gets from
+within the walk, and compares that with its reference count, calibrated on a
+probe object held the same way (so no interpreter's own counting is assumed).
+An object referenced from elsewhere (a global, a cache, a view kept, a
+container the worker keeps), and everything reachable from it, is held
+elsewhere; an array moves when it, every array on its chain of bases and
+every container above it are not, and its owner is a born-private allocation.
+``Outgoing.moves`` carries the ids to ``reduce_ndarray``. After the send the
+worker drops the result; numpy's free gives the segment back to the pool,
+reused only once the receiver's view is gone (Note [shared allocation]).
 
 Where it is off: under the ``file_system`` strategy (``_take`` declines and
 numpy allocates as usual): a handler segment is an anonymous memfd, which
@@ -51,15 +92,24 @@ for allocations made by the policy itself.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import os
+import sys
 
+import numpy as np
 import shm_core
 from shm_core import _native
 
 from . import _recycle, _shared
+from ._shared import BORN_PRIVATE, BORN_SHARED, PRIVATIZED
 from ._strategy import get_sharing_strategy
 
 THRESHOLD = 1 << 20  # bytes: smaller allocations stay numpy's (a segment costs a mapping and a descriptor)
+WALK_MAX = 100_000  # references a result's walk follows at most (Note [moving results]): past it, nothing moves
+_CONTAINERS = (list, tuple, dict)
+_NO_MOVES: frozenset = frozenset()
 _installed = False
+_private = contextvars.ContextVar("arraymp_born_private", default=False)  # the kind this context allocates
 
 
 def _take(nbytes: int, zero: bool) -> int:
@@ -72,16 +122,111 @@ def _take(nbytes: int, zero: bool) -> int:
         return 0
     view = memoryview(seg)
     address = seg.address + shm_core.HEADER_SIZE
-    _shared.owned[address] = (nbytes, view)
+    _shared.owned[address] = (nbytes, view, BORN_PRIVATE if _private.get() else BORN_SHARED)
     return address
 
 
 def _give(address: int) -> None:
     """The C handler's free of a segment allocation (no lock: Note [shared allocation])."""
-    _, view = _shared.owned.pop(address)
+    _, view, kind = _shared.owned.pop(address)
     seg = view.obj
     view.release()
-    _recycle.give_back(seg)
+    if kind != PRIVATIZED:  # (a privatized one is this process's memory: it goes with ``seg``)
+        _recycle.give_back(seg)
+
+
+def _privatize_before_fork() -> None:
+    """Note [private at fork]."""
+    owned = _shared.owned
+    for address, (nbytes, view, kind) in list(owned.items()):
+        if kind == BORN_PRIVATE:
+            seg = view.obj
+            try:
+                seg.privatize()
+            except OSError:  # no memory for the copy: the child shares it
+                continue
+            owned[address] = (nbytes, view, PRIVATIZED)
+            _shared.forget(seg)
+
+
+os.register_at_fork(before=_privatize_before_fork)
+
+
+def moves(holder) -> frozenset:
+    """The ids of the born-private arrays in ``holder``'s items that may travel with no copy: referenced only from
+    within ``holder`` (a tuple or list of the caller's own, which no one else holds). Note [moving results]."""
+    if not _shared.owned:
+        return _NO_MOVES
+    walked = _walk(holder)
+    if walked is None:
+        return _NO_MOVES
+    nodes, holders, parents = walked
+    elsewhere = _held_elsewhere(nodes, holders)
+    children: dict[int, list[int]] = {}
+    for key, ps in parents.items():
+        for p in ps:
+            children.setdefault(p, []).append(key)
+    todo = list(elsewhere)
+    while todo:  # what a reference from elsewhere reaches is held elsewhere too
+        for child in children.get(todo.pop(), ()):
+            if child not in elsewhere:
+                elsewhere.add(child)
+                todo.append(child)
+    return frozenset(key for key, o in nodes.items() if type(o) is np.ndarray and _movable(o, elsewhere))
+
+
+def _walk(holder):
+    """(objects by id, references each gets from within the walk, the ids of those that hold it) of the
+    containers and arrays reachable from ``holder``'s items (0: ``holder``), or None past WALK_MAX references. The
+    returned dict is the only reference the walk keeps to each object."""
+    nodes: dict = {}
+    holders: dict[int, int] = {}
+    parents: dict[int, list[int]] = {}
+    todo = [(0, o) for o in holder]
+    followed = 0
+    while todo:
+        followed += 1
+        if followed > WALK_MAX:
+            return None
+        parent, o = todo.pop()
+        kind = type(o)
+        if kind is not np.ndarray and kind not in _CONTAINERS:
+            continue
+        key = id(o)
+        holders[key] = holders.get(key, 0) + 1
+        parents.setdefault(key, []).append(parent)
+        if key in nodes:
+            continue
+        nodes[key] = o
+        if kind is np.ndarray:
+            if type(o.base) is np.ndarray:
+                todo.append((key, o.base))
+        else:
+            todo.extend((key, v) for v in (o.values() if kind is dict else o))
+    return nodes, holders, parents
+
+
+def _held_elsewhere(nodes: dict, holders: dict) -> set:
+    """The ids of the objects in ``nodes`` with more references than the walk counted (plus its own in ``nodes``),
+    measured against a probe held by ``nodes`` alone."""
+    nodes[0] = object()
+    counts = {key: sys.getrefcount(o) for key, o in nodes.items()}
+    del nodes[0]
+    probe = counts.pop(0)
+    return {key for key, n in counts.items() if n - probe != holders[key]}
+
+
+def _movable(arr: np.ndarray, elsewhere: set) -> bool:
+    """``arr`` and every array on its chain of bases are held nowhere else, and its owner is born private."""
+    while id(arr) not in elsewhere:
+        base = arr.base
+        if base is None:
+            entry = _shared.owned.get(arr.__array_interface__["data"][0])
+            return entry is not None and entry[2] == BORN_PRIVATE
+        if type(base) is not np.ndarray:
+            return False
+        arr = base
+    return False
 
 
 def _install() -> None:
@@ -99,20 +244,26 @@ def shared_allocation():
     a fork child shares them with its parent (its writes are seen), as ``empty_shared`` arrays."""
     _install()
     old = _native.swap_handler(_native.shared_handler)
+    token = _private.set(False)
     try:
         yield
     finally:
+        _private.reset(token)
         _native.swap_handler(old)
 
 
-def set_shared_allocation(on: bool) -> None:
+def set_shared_allocation(on: bool, *, private: bool = False) -> None:
     """Turn shared allocation (see ``shared_allocation``) on or off until told otherwise, in this thread's
     context: called from the main thread, for the program's code and the asyncio tasks it starts later (threads
-    started later get numpy's default, as numpy's handler is per context). A Pool worker calls it at start for
-    its results (``set_shared_allocation(True)``); nothing is needed at exit. Turning it off leaves a handler
-    another library installed."""
+    started later get numpy's default, as numpy's handler is per context). Turning it off leaves a handler
+    another library installed.
+
+    ``private``: the arrays keep a plain numpy array's semantics (what Pool and executor workers use): sending
+    one copies it, except a Pool result the worker keeps no reference to, which moves with no copy; a fork
+    child gets it copy-on-write; ``is_shared`` is false."""
     if on:
         _install()
     old = _native.swap_handler(_native.shared_handler if on else None)
     if not on and old is not _native.shared_handler:
         _native.swap_handler(old)
+    _private.set(bool(on and private))

@@ -8,7 +8,8 @@ Wire format of one message::
 
     b"P" + pickle                      the pickle inline (up to INLINE bytes), naming no shared memory
     b"H" + pickle                      the same, naming shared memory (handles)
-    b"S" + 8-byte length               the pickle is in a memfd, the last descriptor
+    b"S" + 8-byte length [+ 2-byte n]  the pickle is in a memfd, the last descriptor (in the last n, one
+                                       after the other: Note [spilled pickles])
 
 with the descriptors of the arrays' segments as SCM_RIGHTS in the same sendmsg
 (a message that is one array alone has a header in place of the pickle: _bare).
@@ -24,6 +25,7 @@ import copyreg
 import io
 import os
 import pickle
+import resource
 import socket
 import struct
 import threading
@@ -104,12 +106,12 @@ def _pickle(obj, out: Outgoing, head: bytes = b"") -> tuple[Outgoing, memoryview
         try:
             return _pickle_once(obj, out, head)
         except CopyMiss:  # the pooled copy segment was too small: once more, with a new one
-            return _pickle_once(obj, Outgoing(out.share_all, pooled=False), head)
+            return _pickle_once(obj, Outgoing(out.share_all, pooled=False, moves=out.moves), head)
     except shm_core.SharedMemoryFullError:
         # No room for the copies of the message's unshared arrays (all in one segment): they travel in the
         # pickle instead, as the stdlib sends them (a Pool's chunk of results each of which would fit, a small
         # /dev/shm); only making a shared array on purpose (empty_shared, share_memory) raises.
-        return _pickle_once(obj, Outgoing(copy_inline=True), head)
+        return _pickle_once(obj, Outgoing(copy_inline=True, moves=out.moves), head)
 
 
 # Note [reused pickler]: each thread keeps one _Pickler and its BytesIO for the messages it pickles (making
@@ -169,25 +171,48 @@ def _pickle_once(obj, out: Outgoing, head: bytes) -> tuple[Outgoing, bytes | mem
 # plain tasks and frames plain results on a socket of their own (_pool Note [batches]).
 
 
+# Note [spilled pickles]: a pickle over INLINE bytes goes in a memfd whose descriptor the message carries. A memfd
+# obeys the file-size limit (RLIMIT_FSIZE, ``ulimit -f``), which a pipe does not: under such a limit the pickle is cut
+# into as many memfds as it takes (each at the limit), their descriptors the message's last ones, and the receiver
+# joins them; the stdlib's Queue sends any size down its pipe, and so must ours.
+def _spill(payload, room: int) -> list[shm_core.Segment]:
+    """Segments holding ``payload`` one after the other: one, or under a file-size limit as many as it takes (at
+    most ``room``)."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    n = len(payload)
+    per = n if limit == resource.RLIM_INFINITY else min(n, (limit - shm_core.HEADER_SIZE) // 4096 * 4096)
+    count = -(-n // per) if per > 0 else room + 1
+    if count > room or count > 0xFFFF:
+        shm_core.create_anonymous(n)  # raises the file-size limit's SharedMemoryFullError (or works: then this)
+        raise shm_core.SharedMemoryFullError("memfd (anonymous shared memory)", n, None, fsize=limit)
+    spills = []
+    for start in range(0, n, per):
+        seg = shm_core.create_anonymous(min(per, n - start))
+        memoryview(seg)[:] = memoryview(payload)[start:start + per]
+        spills.append(seg)
+    return spills
+
+
 class Packet:
     """One pickled message ready to send: its buffers, descriptors and keep-alives.
 
-    ``head``: the bytes of a pickle made already, sent before ``obj``'s (not with ``raw``).
+    ``head``: the bytes of a pickle made already, sent before ``obj``'s (not with ``raw``). ``moves``: the ids of
+    born-private arrays in ``obj`` that go as handles (_alloc Note [moving results]).
     """
 
     __slots__ = ("buffers", "fds", "keep", "out")
 
-    def __init__(self, obj=None, *, raw: bytes | None = None, head: bytes = b""):
+    def __init__(self, obj=None, *, raw: bytes | None = None, head: bytes = b"", moves: frozenset = frozenset()):
         bare = encode(obj) if raw is None and not head and type(obj) is np.ndarray else None
         if bare is not None:  # Note [bare arrays]
             payload, out = bare
         elif raw is None:
-            out, payload = _pickle(obj, Outgoing(), head)
+            out, payload = _pickle(obj, Outgoing(moves=moves), head)
             if len(payload) > INLINE and out.inlined and not out.copy_inline:
                 # Too big for one socket message: rather than spill the whole
                 # pickle, send its small arrays by shared memory too.
                 out.abort()
-                out, payload = _pickle(obj, Outgoing(share_all=True), head)
+                out, payload = _pickle(obj, Outgoing(share_all=True, moves=moves), head)
         else:
             out, payload = NOTHING, raw
         self.out = out
@@ -195,11 +220,15 @@ class Packet:
         if len(payload) <= INLINE:
             self.buffers = [b"H" if out.handles else b"P", payload]
         else:
-            spill = shm_core.create_anonymous(len(payload))
-            memoryview(spill)[:] = payload
-            self.fds = [*self.fds, spill.fd]
-            self.keep = [*self.keep, spill]
-            self.buffers = [b"S" + len(payload).to_bytes(8, "little")]
+            try:
+                spills = _spill(payload, MAX_FDS + 1 - len(self.fds))
+            except BaseException:
+                out.abort()
+                raise
+            self.fds = [*self.fds, *(seg.fd for seg in spills)]
+            self.keep = [*self.keep, *spills]
+            self.buffers = [b"S" + len(payload).to_bytes(8, "little")
+                            + (len(spills).to_bytes(2, "little") if len(spills) > 1 else b"")]
 
     @property
     def plain(self) -> bool:
@@ -309,16 +338,26 @@ def unpack(data: bytes, fds: list[int]) -> tuple[bytes | memoryview, list[int]]:
     kind = data[:1]
     if kind == b"H":
         return memoryview(data)[1:], fds
-    if kind == b"S" and len(data) == 9 and fds:
+    if kind == b"S" and len(data) in (9, 11) and fds:
+        n = int.from_bytes(data[1:9], "little")
+        count = int.from_bytes(data[9:11], "little") if len(data) == 11 else 1
+        if not 0 < count <= len(fds) or n < count:
+            _close(fds)
+            raise shm_core.SegmentError(f"message spilled {n} bytes into {count} of its {len(fds)} descriptors "
+                                        "(forged or corrupted message)")
         try:
-            seg = shm_core.attach_fd(fds[-1], expected_size=int.from_bytes(data[1:9], "little"))
+            parts = [shm_core.attach_fd(fd, expected_size=n if count == 1 else None) for fd in fds[-count:]]
+            if sum(seg.size for seg in parts) != n:
+                raise shm_core.SegmentError(f"spilled parts hold {sum(seg.size for seg in parts)} bytes, not the "
+                                            f"message's {n} (forged or corrupted message)")
         except BaseException:
             _close(fds)
             raise
-        os.close(fds.pop())
-        data = bytes(memoryview(seg))
-        seg.close()
-        return data, fds
+        _close(fds[-count:])
+        data = b"".join(memoryview(seg) for seg in parts)
+        for seg in parts:
+            seg.close()
+        return data, fds[:-count]
     _close(fds)  # a plain pickle names no descriptor
     if kind == b"P":
         return memoryview(data)[1:], None

@@ -172,7 +172,7 @@ import shm_core
 import shm_manager
 
 from . import _recycle
-from ._alloc import set_shared_allocation
+from ._alloc import moves, set_shared_allocation
 from ._channel import INLINE, Packet, check_openable, loads, recv_raw
 from ._queues import SimpleQueue
 from ._reductions import MAX_FDS, init_reductions
@@ -312,7 +312,7 @@ def worker(inqueue, outqueue, initializer=None, initargs=(), maxtasks=None, wrap
     if group is not None:
         shm_manager.join_group(group)  # see Note [group]
     init_reductions()
-    set_shared_allocation(shared_results)  # False too: a fork child inherits its parent's setting
+    prepare_worker(shared_results)
     out = outqueue._writer._sock
     inqueue._writer.close()
     outqueue._reader.close()
@@ -364,13 +364,38 @@ def worker(inqueue, outqueue, initializer=None, initargs=(), maxtasks=None, wrap
     util.debug(f"worker exiting after {completed} tasks")
 
 
+OOM_STEP = 500  # added to a worker's oom_score_adj (Note [out of memory])
+
+
+# Note [out of memory]: when memory runs out (the machine's or a memory cgroup's), the kernel kills the process
+# with the highest badness: its resident and shared pages, plus oom_score_adj thousandths of the memory. The memory of
+# a killed worker's shared segments cannot be reaped at once as private memory can, so the kernel may pick a second
+# victim before the first one's exit frees it: left to size, the process holding the pool. Every worker raises its
+# own oom_score_adj by OOM_STEP (at most 1000; raising it needs no privilege), so any worker outranks its parent by
+# half the memory, however small the worker: the victims are workers, the task fails with WorkerLostError and the
+# caller goes on. A worker's children inherit the raised score.
+def prepare_worker(shared_results: bool) -> None:
+    """What a pool's worker (ours, or the executor's) does first: its arrays of 1 MiB or more born in shared
+    memory and private (``shared_results``: _alloc Note [moving results]) or numpy's (False too: a fork child
+    inherits its parent's setting), and the out-of-memory killer's first choice before its parent (Note [out of
+    memory])."""
+    set_shared_allocation(shared_results, private=True)
+    try:
+        with open("/proc/self/oom_score_adj", "r+") as f:
+            score = int(f.read())
+            f.seek(0)
+            f.write(str(min(1000, score + OOM_STEP)))
+    except (OSError, ValueError):  # no procfs: the kernel picks by size alone
+        pass
+
+
 def _send_result(out, short, job, i, seconds: float, result: tuple) -> None:
     """Send one task's result: on ``short`` framed by _RESULT if it is plain and small, else on ``out`` with the
     head (job, i, seconds) (Note [batches])."""
     packet = None
     try:
         head = pickle.dumps((job, i, seconds))
-        packet = Packet(result, head=head)
+        packet = Packet(result, head=head, moves=moves(result))
         if short is not None and packet.plain and len(packet.buffers[1]) - len(head) <= _SHORT_MAX - _RESULT.size \
                 and type(job) is int and type(i) is int:
             short.sendmsg([_RESULT.pack(job, i, seconds), memoryview(packet.buffers[1])[len(head):]])

@@ -61,10 +61,12 @@ class Outgoing:
     _copy_ref = None
     recycled: shm_core.Segment | None = None  # the message's copy segment, back to the pool once sent
 
-    def __init__(self, share_all: bool = False, pooled: bool = True, copy_inline: bool = False):
+    def __init__(self, share_all: bool = False, pooled: bool = True, copy_inline: bool = False,
+                 moves: frozenset = frozenset()):
         self.share_all = share_all  # no array inline: the message would not fit the socket otherwise
         self.pooled = pooled  # file_system: the copy may go into a pooled segment chosen at the first copy
         self.copy_inline = copy_inline  # unshared arrays inline whatever their size: shared memory is full
+        self.moves = moves  # ids of born-private arrays it moves as handles (_alloc Note [moving results])
 
     def _start(self) -> None:
         """The message names shared memory: make its lists."""
@@ -255,11 +257,14 @@ def reduce_ndarray(arr: np.ndarray):
     ctx = _current()
     readonly = _readonly(arr)
     outgoing = isinstance(ctx, Outgoing)
+    if found is None and outgoing and id(arr) in ctx.moves:  # _alloc Note [moving results]
+        found = _shared.segment_of(arr, _shared.BORN_PRIVATE)
     popen = None if outgoing else mp_context.get_spawning_popen()
+    if found is not None and not outgoing and popen is None and not found[0].name:
+        found = None  # a memfd on a channel we do not own: copied as an unshared array (Note [channels we do not own])
     if arr.nbytes == 0 or (found is None and (outgoing and ctx.copy_inline or arr.nbytes < get_inline_threshold()
                                               and not (ctx and ctx.share_all))) \
-            or (not outgoing and popen is None and get_sharing_strategy() == "file_descriptor"
-                and not (found and found[0].name)):
+            or (not outgoing and popen is None and get_sharing_strategy() == "file_descriptor" and found is None):
         # small, or shared memory is full (_channel._pickle), or on a channel we do not own whose sender may be
         # gone before the receiver asks for the descriptor (Note [channels we do not own]): a copy in the
         # pickle, as the stdlib sends it
@@ -272,7 +277,7 @@ def reduce_ndarray(arr: np.ndarray):
             ref, offset = ctx.copy_ref(arr)
             # size None: the message's segment grows while the message is pickled
             return rebuild_ndarray, (ref, None, offset, arr.shape, None, _dtype(arr.dtype), readonly)
-        arr = _shared.share_memory(arr)  # a writable copy: ``readonly`` was read before
+        arr = _shared.shared_copy(arr)  # a writable copy: ``readonly`` was read before
         found = _shared.segment_of(arr)
     seg, offset = found
     strides = None if arr.flags.c_contiguous else arr.strides
@@ -323,7 +328,9 @@ def rebuild_inline(data: bytes, dtype, shape, order: str, readonly: bool) -> np.
 # file_descriptor strategy, every array travels as a copy in the pickle, exactly as the
 # stdlib sends it (shared ones too: losing an array is worse than losing the sharing).
 # Named segments (file_system) travel by name on every channel: their in-flight count
-# keeps them for the receiver whoever exits first.
+# keeps them for the receiver whoever exits first. There, under file_system, an array in
+# a memfd segment (received, born shared, made before the strategy was set) is copied as
+# an unshared one is: into a named segment, or inline when small.
 def _launch_fd(popen, seg: shm_core.Segment):
     """A DupFd of ``seg`` for the child ``popen`` launches: one per segment (the spawn launcher rejects a
     descriptor passed twice), a dup kept open until ``popen`` goes (Note [channels we do not own])."""
@@ -480,7 +487,6 @@ def init_reductions() -> None:
     Called by ``import arraymp``, and when a process receives one of our
     channels, so a spawned child sends arrays by shared memory too.
     """
-    _shared.raise_nofile()  # at first use (_shared Note [descriptors])
     if reduction.ForkingPickler._extra_reducers.get(np.ndarray) is reduce_ndarray:
         return
     reduction.ForkingPickler.register(np.ndarray, reduce_ndarray)

@@ -10,15 +10,14 @@ Note [descriptors]: a mapping needs no descriptor, but sending a memfd
 segment does. Every memfd segment of this process, made here or received,
 keeps its descriptor in one LRU (``_Table.fd_lru``) of at most ``fd_budget()``
 entries (a quarter of RLIMIT_NOFILE, or all of it but BUDGET_RESERVE when that
-is more; 16 to BUDGET_MAX). At its first use a
-process raises its soft RLIMIT_NOFILE to the hard limit, as Go's runtime does
-at start-up: the soft limit of a normal user is commonly 1024 (a budget of 256)
-under a hard one of 65,536 to 1,048,576, and the budget is what lets a process
-forward the arrays it holds without re-opening them (which a normal user may
-not: see below). Children inherit the raised limit. Older ones close theirs, so
-a process that makes or receives 20,000 arrays does not run out of
-descriptors. Sending one whose descriptor was closed re-opens the very same
-file from /proc/self/map_files (checked by inode), or raises with the remedy:
+is more; 16 to BUDGET_MAX). Before the LRU first closes a live segment's
+descriptor, the process raises its soft RLIMIT_NOFILE toward the hard limit, for
+itself alone (_nofile Note [open-files limit]): the budget is what lets a
+process forward the arrays it holds without re-opening them (which a normal
+user may not: see below). Past the budget older ones close theirs, so a
+process that makes or receives 20,000 arrays does not run out of descriptors.
+Sending one whose descriptor was closed re-opens the very same file from
+/proc/self/map_files (checked by inode), or raises with the remedy:
 a shared array is never silently sent as a copy. A descriptor handed out for
 sending may be closed by the LRU at the next segment made or received, so our
 channels send a dup of it (``Outgoing.fd_ref``).
@@ -64,6 +63,7 @@ it, is not reused; its arena goes when every process has unmapped it.
 from __future__ import annotations
 
 import collections
+import errno
 import mmap
 import os
 import resource
@@ -76,6 +76,7 @@ import numpy as np
 import shm_core
 import shm_manager  # before our at-fork hook: a fork child gets its own daemon connection first
 
+from . import _nofile
 from ._strategy import get_sharing_strategy
 
 ALIGN = 64
@@ -93,35 +94,10 @@ _VIEWS = shm_core.VIEWS_OFFSET  # the views word (_recycle.REFS)
 
 def fd_budget() -> int:
     """How many memfd descriptors this process keeps open (Note [descriptors])."""
-    raise_nofile()
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         soft = 1 << 20
     return max(16, min(BUDGET_MAX, max(soft // 4, soft - BUDGET_RESERVE)))
-
-
-_nofile_raised = None  # the pid that raised its soft RLIMIT_NOFILE
-
-
-def raise_nofile() -> None:
-    """Raise the soft RLIMIT_NOFILE to the hard one (at most the kernel's fs.nr_open), once per process: what Go's
-    runtime does at start-up (Note [descriptors]); a limit lowered after that is kept."""
-    global _nofile_raised
-    if _nofile_raised == os.getpid():
-        return
-    _nofile_raised = os.getpid()
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    try:
-        with open("/proc/sys/fs/nr_open") as f:
-            ceiling = int(f.read())
-    except (OSError, ValueError):
-        ceiling = 1 << 20
-    want = ceiling if hard == resource.RLIM_INFINITY else min(hard, ceiling)
-    if soft != resource.RLIM_INFINITY and soft < want:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-        except (OSError, ValueError):  # a sandbox may refuse it: the budget follows the soft limit as it is
-            pass
 
 
 class _Table:
@@ -143,6 +119,8 @@ class _Table:
         lru[seg.key] = weakref.ref(seg)
         lru.move_to_end(seg.key)
         budget = fd_budget()
+        if len(lru) > budget and _nofile.raise_for_budget():  # Note [open-files limit]
+            budget = fd_budget()
         while len(lru) > budget:
             _, ref = lru.popitem(last=False)
             old = ref()
@@ -299,10 +277,10 @@ def new_segment(size: int, strategy: str | None = None, name: str | None = None)
     goes when its daemon has taken the last count back: the tries go on for up to a second.)"""
     try:
         return _create(size, strategy, name)
-    except shm_core.SharedMemoryFullError:
+    except shm_core.SharedMemoryFullError as exc:
         from . import _recycle  # (it imports this module)
 
-        if not _recycle.release_all():
+        if exc.errno == errno.EFBIG or not _recycle.release_all():  # (the file-size limit: no room to make)
             raise
     shm_manager.flush()
     deadline, delay = time.monotonic() + 1.0, 0.005
@@ -492,6 +470,13 @@ def empty_shared(shape, dtype=float, order: str = "C") -> np.ndarray:
     return new_segment(nbytes).ndarray(shape, dtype, 0, strides)
 
 
+def shared_copy(arr: np.ndarray) -> np.ndarray:
+    """A new shared array (under the current strategy) holding a copy of ``arr``, its order kept."""
+    out = empty_shared(arr.shape, arr.dtype, "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C")
+    np.copyto(out, arr, casting="no")
+    return out
+
+
 def zeros_shared(shape, dtype=float, order: str = "C") -> np.ndarray:
     """A new zero-filled array in shared memory (like ``numpy.zeros``)."""
     arr = empty_shared(shape, dtype, order)
@@ -509,12 +494,16 @@ def _f_strides(shape, itemsize):
 
 # ------------------------------------------------------------------------ finding
 #: data address of each numpy allocation the shared handler placed in a segment -> (bytes, this process's view of
-#: the segment): filled by _alloc (Note [shared allocation]); the C handler looks up numpy's frees here
-owned: dict[int, tuple[int, memoryview]] = {}
+#: the segment, its kind: BORN_SHARED, BORN_PRIVATE or PRIVATIZED): filled by _alloc (Note [shared allocation]); the
+#: C handler looks up numpy's frees here
+owned: dict[int, tuple[int, memoryview, int]] = {}
+BORN_SHARED, BORN_PRIVATE, PRIVATIZED = 0, 1, 2
 
 
-def segment_of(arr: np.ndarray) -> tuple[shm_core.Segment, int] | None:
-    """The segment ``arr`` views (or, numpy's own data, lies in) and the byte offset of its first element, or None."""
+def segment_of(arr: np.ndarray, born: int = BORN_SHARED) -> tuple[shm_core.Segment, int] | None:
+    """The segment ``arr`` views (or, numpy's own data, lies in) and the byte offset of its first element, or None.
+    ``born``: the kind of handler allocation that counts (a BORN_PRIVATE one is a plain array's memory except to a
+    message that moves it, _alloc Note [moving results])."""
     base = owner = arr
     while isinstance(base, np.ndarray):
         owner, base = base, base.base
@@ -524,7 +513,7 @@ def segment_of(arr: np.ndarray) -> tuple[shm_core.Segment, int] | None:
         return base, shm_core.address(arr) - base.address - _HDR
     if base is None and owned:  # data numpy allocated: the shared handler's? (any dtype: no buffer export)
         entry = owned.get(owner.__array_interface__["data"][0])
-        if entry is not None:
+        if entry is not None and entry[2] == born:
             seg = entry[1].obj
             return seg, arr.__array_interface__["data"][0] - seg.address - _HDR
     return None
@@ -688,6 +677,15 @@ def _reopen(seg: shm_core.Segment) -> int:
         os.close(fd)
         raise shm_core.SegmentError("/proc/self/map_files named another file than the segment's; not sending it")
     return fd
+
+
+def forget(seg: shm_core.Segment) -> None:
+    """``seg`` is no longer shared memory of this process (_alloc: privatized): out of the table, its descriptor
+    closed; the mapping goes with the object."""
+    with _table.lock:
+        if _table.segments.get(getattr(seg, "key", None)) is seg:
+            del _table.segments[seg.key]
+    release_fd(seg)
 
 
 def release_fd(seg: shm_core.Segment) -> None:

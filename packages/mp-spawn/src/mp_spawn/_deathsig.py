@@ -300,7 +300,9 @@ def _wait_for_exit(fd: int | None, pid: int, started: int | None) -> None:
     """Return once ``pid`` is gone: when ``fd``, its pidfd, turns readable, or by polling /proc."""
     if fd is not None:
         try:
-            select.select([fd], [], [])
+            exited = select.poll()  # (select.select fails past descriptor 1023)
+            exited.register(fd, select.POLLIN)
+            exited.poll()
         except (OSError, ValueError):
             pass  # our fd was closed under us: fall back to polling
     # Readable means the process exited; check, in case user code closed our

@@ -269,6 +269,40 @@ mapping_disown(Mapping *self, PyObject *unused)
     return PyBool_FromLong(had);
 }
 
+/* Replace the mapping, at the same address, by private anonymous memory holding
+   a copy of it (header included), after giving back this process's views
+   count: from then on a fork child gets it copy-on-write, as any memory of
+   numpy's, and the file is no longer written here (mp_reductions Note
+   [shared allocation]). mremap moves the copy over the old mapping at once. */
+static PyObject *
+mapping_privatize(Mapping *self, PyObject *unused)
+{
+    void *copy, *moved;
+    int counted;
+    if (check_open(self) < 0)
+        return NULL;
+    copy = mmap(NULL, (size_t)self->length, PROT_READ | PROT_WRITE,
+                MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (copy == MAP_FAILED)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    memcpy(copy, self->addr, (size_t)self->length);
+    counted = self->views_offset >= 0 && self->exports > 0;
+    if (counted) /* the file's word, while it is still mapped here */
+        __atomic_fetch_sub((int64_t *)(self->addr + self->views_offset), 1, __ATOMIC_SEQ_CST);
+    moved = mremap(copy, (size_t)self->length, (size_t)self->length,
+                   MREMAP_MAYMOVE | MREMAP_FIXED, self->addr);
+    if (moved == MAP_FAILED) {
+        int err = errno;
+        if (counted)
+            __atomic_fetch_add((int64_t *)(self->addr + self->views_offset), 1, __ATOMIC_SEQ_CST);
+        munmap(copy, (size_t)self->length);
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    self->views_offset = -1; /* counts no more: the memory is this process's alone */
+    Py_RETURN_NONE;
+}
+
 /* Parse (offset) and check it names an aligned 8-byte word in the mapping. */
 static int64_t *
 word_at(Mapping *self, Py_ssize_t offset)
@@ -471,6 +505,8 @@ static PyMethodDef mapping_methods[] = {
      "Unmap now; BufferError while exports (views) exist."},
     {"disown", (PyCFunction)mapping_disown, METH_NOARGS,
      "Give back this process's views count (if it has exports); count no more."},
+    {"privatize", (PyCFunction)mapping_privatize, METH_NOARGS,
+     "Move the mapping into private memory at the same address (fork copies it on write)."},
     {"fetch_add", (PyCFunction)mapping_fetch_add, METH_VARARGS,
      "fetch_add(offset, delta) -> previous value of the 64-bit word."},
     {"load", (PyCFunction)mapping_load, METH_VARARGS, "load(offset) -> value."},

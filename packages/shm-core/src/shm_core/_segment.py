@@ -30,6 +30,7 @@ import fcntl
 import os
 import re
 import reprlib
+import resource
 import secrets
 import stat
 import struct
@@ -95,9 +96,16 @@ class SegmentError(ValueError):
 
 
 class SharedMemoryFullError(OSError):
-    """Raised when tmpfs has no room for a new segment's pages."""
+    """Raised when tmpfs has no room for a new segment's pages, or (errno EFBIG) the segment is larger than the
+    process's file-size limit (RLIMIT_FSIZE, ``ulimit -f``), which memfds obey too."""
 
-    def __init__(self, where: str, asked: int, free: int | None, dir: str = "/dev/shm"):
+    def __init__(self, where: str, asked: int, free: int | None, dir: str = "/dev/shm", fsize: int | None = None):
+        if fsize is not None:
+            super().__init__(errno.EFBIG, f"a {asked + HEADER_SIZE:,}-byte shared-memory segment in {where} is "
+                             f"past this process's file-size limit of {fsize:,} bytes (RLIMIT_FSIZE). Raise it "
+                             "(ulimit -f unlimited) to send large arrays by shared memory", where)
+            self.asked, self.free = asked, free
+            return
         free_text = "unknown" if free is None else f"{free:,} bytes free"
         if os.path.normpath(dir) == "/dev/shm":
             fix = ("Give the container a larger /dev/shm (docker run --shm-size=8g, or mount -o remount,size=8G "
@@ -135,6 +143,9 @@ def _reserve(fd: int, length: int, where: str, free_path: str) -> None:
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.ENOMEM):
             raise SharedMemoryFullError(where, length - HEADER_SIZE, _free_bytes(free_path), free_path) from None
+        if exc.errno == errno.EFBIG:
+            raise SharedMemoryFullError(where, length - HEADER_SIZE, None, free_path,
+                                        fsize=resource.getrlimit(resource.RLIMIT_FSIZE)[0]) from None
         raise
 
 

@@ -222,7 +222,9 @@ def _send_pending(c: _Conn, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     _drain(c)
     while c.sock is not None and c.pending and time.monotonic() < deadline:
-        select.select([], [c.sock], [], 0.05)
+        room = select.poll()  # (select.select fails past descriptor 1023)
+        room.register(c.sock, select.POLLOUT)
+        room.poll(50)
         _drain(c)
     return not c.pending
 
