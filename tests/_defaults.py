@@ -7,11 +7,14 @@ import os
 import numpy as np
 
 N = 1 << 18  # float64 elements: 2 MiB, over the 1 MiB at which a worker's arrays are born in shared memory
-BUF = np.zeros(N)
+BUF = None
 
 
 def fill_module_buffer(i):
-    """Scenario 1: a module-level buffer filled and returned, task after task."""
+    """Scenario 1: a module-level buffer (made at first use, in the worker) filled and returned, task after task."""
+    global BUF
+    if BUF is None:
+        BUF = np.zeros(N)
     BUF[:] = i
     return BUF
 

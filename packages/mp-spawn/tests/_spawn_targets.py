@@ -334,6 +334,23 @@ def double_fork_daemon(i, directory):
         time.sleep(0.02)
 
 
+def session_daemon(i, directory):
+    """Start a daemon with ``start_new_session=True`` (it leaves our group), write both pids to ``session.json``,
+    and wait to be killed with the supervisor."""
+    daemon = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({LONG_SLEEP_S})"],
+                              start_new_session=True)
+    path = os.path.join(directory, "session.json")
+    with open(path + ".tmp", "w") as fh:
+        json.dump({"child": os.getpid(), "daemon": daemon.pid}, fh)
+    os.rename(path + ".tmp", path)
+    time.sleep(LONG_SLEEP_S)
+
+
+def session_daemon_driver(directory, start_method):
+    """The main of a separate program: one child that starts a session daemon, joined."""
+    mp_spawn.start_processes(session_daemon, args=(directory,), nprocs=1, join=True, start_method=start_method)
+
+
 def leak_shared_memory_behind_slow_grandchild(i, directory):
     """Create an unnamed-by-us ``SharedMemory`` (a ``psm_*`` name) and leave it for the resource
     tracker; fork a grandchild, which inherits the tracker's pipe and takes 2 s to handle SIGTERM;

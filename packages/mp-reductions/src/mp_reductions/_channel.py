@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import copyreg
+import errno
 import io
 import os
 import pickle
@@ -34,6 +35,7 @@ from multiprocessing.reduction import ForkingPickler
 import numpy as np
 import shm_core
 
+from . import _nofile
 from ._bare import BARE_KINDS, NOTHING, decode, encode
 from ._reductions import MAX_FDS, CopyMiss, Incoming, Outgoing, tls
 
@@ -297,12 +299,12 @@ def recv_stream(sock: socket.socket) -> tuple[bytearray, list[int] | None]:
     """One framed message from a stream socket: its pickle and descriptors (None: a plain pickle)."""
     for _ in range(SPIN):  # see _queues Note [spin]
         try:
-            head, fds, _ = shm_core.recv_fds(sock, _HEAD.size, MAX_FDS, socket.MSG_DONTWAIT)
+            head, fds, _ = recv_fds(sock, _HEAD.size, MAX_FDS, socket.MSG_DONTWAIT)
             break
         except BlockingIOError:
             os.sched_yield()
     else:
-        head, fds, _ = shm_core.recv_fds(sock, _HEAD.size, MAX_FDS)
+        head, fds, _ = recv_fds(sock, _HEAD.size, MAX_FDS)
     if not head:
         for fd in fds:
             os.close(fd)
@@ -324,7 +326,7 @@ def recv_raw(sock: socket.socket, flags: int = 0) -> tuple[bytes | memoryview, l
 
 def dequeue(sock: socket.socket, flags: int = 0) -> tuple[bytes, list[int]]:
     """Take one message off the socket, as sent (raises BlockingIOError, EOFError: then nothing was taken)."""
-    data, fds, _ = shm_core.recv_fds(sock, INLINE + 16, MAX_FDS + 1, flags)
+    data, fds, _ = recv_fds(sock, INLINE + 16, MAX_FDS + 1, flags)
     if not data:
         _close(fds)
         raise EOFError("the other end of the channel is closed")
@@ -388,7 +390,23 @@ def check_openable(data, fds: list[int] | None, fd: int) -> None:
     """Raise OSError(EMFILE) when the received message ``(data, fds)`` may name a named segment and this process
     could not open it now (Note [opening named segments]); ``fd``: any descriptor of ours, dup'ed to try."""
     if fds is not None and _names_named(data):
-        shm_core.check_headroom(fd, HEADROOM, "the message is kept: the next receive returns it")
+        _raising_nofile(shm_core.check_headroom, fd, HEADROOM, "the message is kept: the next receive returns it")
+
+
+def recv_fds(sock: socket.socket, size: int, maxfds: int, flags: int = 0):
+    """shm_core.recv_fds, the open-files limit raised before a message is refused for want of descriptors."""
+    return _raising_nofile(shm_core.recv_fds, sock, size, maxfds, flags)
+
+
+def _raising_nofile(call, *args):
+    """``call(*args)``, once more after raising the open-files limit where it failed for want of descriptors
+    (_nofile Note [open-files limit]: raised before refusing)."""
+    try:
+        return call(*args)
+    except OSError as exc:
+        if exc.errno not in (errno.EMFILE, errno.ENFILE) or not _nofile.raise_for_budget():
+            raise
+    return call(*args)
 
 
 def _names_named(data) -> bool:

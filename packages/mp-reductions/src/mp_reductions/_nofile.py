@@ -6,8 +6,9 @@ limit; a normal user's soft limit is commonly 1024 (a budget of 256) under a har
 descriptor the LRU closes cannot be re-opened without privileges. So, as Go's runtime does, the process raises its
 soft limit to the hard one, but only when it must and only for itself:
 
-- when the LRU is about to close a live segment's descriptor (``raise_for_budget``), never at import: a program
-  that keeps fewer than a quarter of its limit in shared segments never changes it;
+- when the LRU is about to close a live segment's descriptor, or a receive is about to refuse a message for want of
+  descriptors (``raise_for_budget``), never at import: a program that keeps fewer than a quarter of its limit in
+  shared segments and never runs out never changes it;
 - never a limit the user set: one under ``FLOOR`` (1024, the usual default: lower was set on purpose), nor one
   changed since this module first saw it (``resource.setrlimit`` after import);
 - never for other programs: once raised, every child that execs (``subprocess``, ``os.exec*``, ``os.system``,

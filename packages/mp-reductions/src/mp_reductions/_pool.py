@@ -173,7 +173,7 @@ import shm_manager
 
 from . import _recycle
 from ._alloc import moves, set_shared_allocation
-from ._channel import INLINE, Packet, check_openable, loads, recv_raw
+from ._channel import INLINE, Packet, check_openable, loads, recv_fds, recv_raw
 from ._queues import SimpleQueue
 from ._reductions import MAX_FDS, init_reductions
 
@@ -610,8 +610,7 @@ class _Slots:
             if not 0 < queued < len(sent):  # none queued, or none taken yet: its worker is about to take one
                 continue
             try:
-                data, fds, _ = shm_core.recv_fds(self.queues[w]._reader._sock, INLINE + 16, MAX_FDS + 1,
-                                                 socket.MSG_DONTWAIT)
+                data, fds, _ = recv_fds(self.queues[w]._reader._sock, INLINE + 16, MAX_FDS + 1, socket.MSG_DONTWAIT)
             except OSError:  # its worker took them (BlockingIOError), or no descriptor free: they stay
                 continue
             # the first one still queued: its worker may have taken some more meanwhile, in order

@@ -75,12 +75,14 @@ Covered: everything the child starts that stays in its process group
 shells and their pipelines), at any depth, however the child ends.  Nested
 spawns lead groups of their own, with reapers of their own.
 
-Not covered (best effort): a descendant that leaves the group (``setsid``,
-``setpgid``, ``start_new_session=True``; daemons do) survives, unless the
-watchdog's scan of the child's process tree finds it first, which happens
-only when the watchdog, not PR_SET_PDEATHSIG, ends the child, and only while
-the descendant is still below the child.  A reaper killed by someone else
-kills nothing.
+One rule for what leaves the group (``setsid``, ``setpgid``,
+``start_new_session=True``; daemons do): it is never killed, under every start
+method. The reaper spares it, and so does the watchdog, which kills only the
+members of the child's group below it (under ``forkserver`` the watchdog, not
+PR_SET_PDEATHSIG, ends the child, so a scan of the whole tree would kill a
+daemon that ``fork`` and ``spawn`` leave alive). Nested ``spawn`` children
+lead groups of their own and die by their own watchdogs. A reaper killed by
+someone else kills nothing.
 
 Note [cleanup daemons]
 ~~~~~~~~~~~~~~~~~~~~~~
@@ -113,7 +115,9 @@ from __future__ import annotations
 
 import os
 import select
+import shutil
 import signal
+import stat
 import sys
 import threading
 import time
@@ -206,17 +210,21 @@ def _scan() -> dict[int, list[str]]:
     return found
 
 
-def descendants(root: int) -> list[int]:
-    """Pids of ``root``'s descendants, deepest first, from one scan of /proc."""
+def descendants(root: int, pgid: int | None = None) -> list[int]:
+    """Pids of ``root``'s descendants, deepest first, from one scan of /proc (``pgid``: those of that process group
+    only, at any depth)."""
     children: dict[int, list[int]] = {}
+    groups: dict[int, int] = {}
     for pid, fields in _scan().items():
         children.setdefault(int(fields[1]), []).append(pid)
+        groups[pid] = int(fields[2])
     order: list[int] = []
     stack = [root]
     while stack:
         pid = stack.pop()
         for child in children.get(pid, ()):
-            order.append(child)
+            if pgid is None or groups[child] == pgid:
+                order.append(child)
             stack.append(child)
     order.reverse()
     return order
@@ -267,9 +275,12 @@ def _kill_member(pid: int, started: int, pgid: int) -> None:
 
 
 def _die() -> None:
-    """Kill everything below this process, then this process."""
+    """Kill everything below this process in its process group, then this process (Note [process groups]: what
+    left the group is spared, as the group reaper spares it)."""
     me = os.getpid()
-    for pid in descendants(me):
+    for pid in descendants(me, os.getpgid(0)):
+        if pid == _reaper:
+            continue  # it ends the group once we are gone, and cleans up after a dead supervisor
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
@@ -333,8 +344,12 @@ def start_watchdog(parent_pid: int, parent_start: int | None) -> threading.Threa
     return thread
 
 
-def start_group_reaper() -> None:
-    """Lead a session and process group of our own, and start its reaper (Note [process groups])."""
+_reaper: int | None = None  # this process's group reaper
+
+
+def start_group_reaper(supervisor: tuple[int, int | None, str] | None = None) -> None:
+    """Lead a session and process group of our own, and start its reaper (Note [process groups]); ``supervisor``:
+    (pid, start time, error directory), the directory the reaper removes if the supervisor died first."""
     me = os.getpid()
     os.setsid()
     # multiprocessing.set_executable() imports multiprocessing.spawn; unless
@@ -345,8 +360,11 @@ def start_group_reaper() -> None:
     # -I: neither the environment nor this package's directory changes what
     # the reaper imports; -S: it needs nothing from site-packages.
     argv = [executable, "-I", "-S", os.path.abspath(__file__), str(me), str(start_time(me))]
+    if supervisor is not None:
+        argv += [str(supervisor[0]), str(supervisor[1]), supervisor[2]]
+    global _reaper
     try:
-        os.posix_spawn(executable, argv, os.environ, file_actions=_close_inheritable())
+        _reaper = os.posix_spawn(executable, argv, os.environ, file_actions=_close_inheritable())
     except OSError as exc:
         warnings.warn(
             f"mp_spawn: process {me} could not start its group reaper ({exc}), so what it starts may outlive it; "
@@ -377,13 +395,33 @@ def _close_inheritable() -> list[tuple[int, int]]:
     return actions
 
 
-def _reap_group(leader: int, started: int | None) -> None:
+def _reap_group(leader: int, started: int | None, supervisor: tuple[int, int | None, str] | None = None) -> None:
     """The group reaper's main: once ``leader`` is gone, end its process group.
 
     SIGTERM first; then, after at most ``_GROUP_GRACE_S``, SIGKILL to each
     member but the cleanup daemons, which exit on their own once the processes
     they serve are gone, having cleaned up after them (Note [cleanup daemons]).
+    Then, if the supervisor died before its child (SIGKILL: it could not clean
+    up), remove its error directory, as its next run would (``_spawn``).
     """
+    try:
+        _end_group(leader, started)
+    finally:
+        if supervisor is not None and not is_alive(supervisor[0], supervisor[1]):
+            _remove_error_dir(supervisor[2])
+
+
+def _remove_error_dir(path: str) -> None:
+    """Remove ``path``, a supervisor's error directory, if it is a directory of this user's (never a link)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _end_group(leader: int, started: int | None) -> None:
     if os.getpgid(0) != leader:
         return  # not in the child's group: without the invariant of Note [process groups], kill nothing
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -406,16 +444,23 @@ def _reap_group(leader: int, started: int | None) -> None:
         killed |= fresh
 
 
-def bind_to_parent(parent_pid: int, parent_start: int | None, expected_ppid: int | None) -> None:
-    """Make the calling child, and what it starts, die with its supervisor (see the module docstring)."""
+def bind_to_parent(parent_pid: int, parent_start: int | None, expected_ppid: int | None,
+                   error_dir: str | None = None) -> None:
+    """Make the calling child, and what it starts, die with its supervisor (see the module docstring); its group
+    reaper removes ``error_dir`` if the supervisor dies first."""
     if not sys.platform.startswith("linux"):  # pragma: no cover - the package refuses to import
         return
     set_pdeathsig(signal.SIGKILL)
     if expected_ppid is not None and os.getppid() != expected_ppid:
         _die()  # the forking parent died before prctl: the kernel will not tell us
-    start_group_reaper()
+    start_group_reaper(None if error_dir is None else (parent_pid, parent_start, error_dir))
     start_watchdog(parent_pid, parent_start)
 
 
-if __name__ == "__main__":  # the group reaper: python -I -S _deathsig.py <leader pid> <its start time>
-    _reap_group(int(sys.argv[1]), int(sys.argv[2]) if sys.argv[2].isdigit() else None)
+def _number(arg: str) -> int | None:
+    return int(arg) if arg.isdigit() else None
+
+
+if __name__ == "__main__":  # the group reaper: python -I -S _deathsig.py LEADER START [SUPERVISOR START ERROR_DIR]
+    _reap_group(int(sys.argv[1]), _number(sys.argv[2]),
+                (int(sys.argv[3]), _number(sys.argv[4]), sys.argv[5]) if len(sys.argv) == 6 else None)

@@ -29,7 +29,8 @@ top of the stdlib ``multiprocessing`` contexts.  What changed:
       on failure: grace, SIGTERM, SIGKILL        stop own children, exit 1
       read + remove D/i.error, D/i.fault
       raise ProcessRaisedException / ProcessExitedException
-    rmdir D once every process is joined
+    rmdir D once every process is joined     (the group reaper removes D if the parent
+                                              was killed first: _deathsig._reap_group)
 
 Note [starter threads]
 ~~~~~~~~~~~~~~~~~~~~~~
@@ -142,7 +143,7 @@ def _wrap(fn, i, args, error_dir, parent_pid, parent_start, expected_ppid, exit_
     """The target of every child process."""
     current = multiprocessing.current_process()
     current.name = current.name.partition(_NAME_TAG)[0]
-    _deathsig.bind_to_parent(parent_pid, parent_start, expected_ppid)
+    _deathsig.bind_to_parent(parent_pid, parent_start, expected_ppid, error_dir)
     _enable_faulthandler(os.path.join(error_dir, f"{i}.fault"))
     try:
         fn(i, *args)
