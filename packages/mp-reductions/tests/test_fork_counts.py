@@ -142,3 +142,36 @@ def test_forks_while_another_thread_makes_and_drops_views(strategy):
         stop.set()
         t.join(60)
     assert seg.load(_recycle.REFS) == 0  # no view left here, none counted for a child that is gone
+
+
+EARLY_DEATH = """
+import os, sys, time
+os.register_at_fork(after_in_child=lambda: os._exit(0))  # before arraymp's hooks: the child dies before it claims
+import mp_reductions as mpr, numpy as np, shm_core
+mpr.init_reductions()
+mpr.set_sharing_strategy("file_system")
+arrays = [mpr.empty_shared(1 << 17) for _ in range(3)]
+names = sorted(n for n in os.listdir(shm_core.shm_dir()) if n.startswith("arraymp_") and f"_{os.getpid()}_" in n)
+for _ in range(5):
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+del arrays
+deadline = time.monotonic() + 10
+while time.monotonic() < deadline and any(os.path.exists(os.path.join(shm_core.shm_dir(), n)) for n in names):
+    time.sleep(0.05)
+print(len(names), sum(os.path.exists(os.path.join(shm_core.shm_dir(), n)) for n in names))
+"""
+
+
+def test_named_counts_of_a_fork_child_killed_before_it_ran_go_back():
+    # shm_manager Note [Counts given at fork]: the parent gives the child's counts to the daemon by pid, so a child
+    # that dies before any hook of ours ran (a Pool worker killed at once) leaves nothing for its group's end
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", EARLY_DEATH], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    made, left = map(int, r.stdout.split())
+    assert made == 3 and left == 0, f"{left} of {made} named segments outlived their last holder"

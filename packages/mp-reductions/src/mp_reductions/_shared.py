@@ -75,6 +75,7 @@ from multiprocessing import util
 import numpy as np
 import shm_core
 import shm_manager  # before our at-fork hook: a fork child gets its own daemon connection first
+from shm_manager import _paths as shm_manager_paths
 
 from . import _nofile
 from ._strategy import get_sharing_strategy
@@ -152,8 +153,11 @@ _blocks: dict = {}
 # fork child, which exits without a garbage collection): its views word through
 # ``Segment.disown()``, its block counts, its named counts. One killed with SIGKILL
 # keeps a views word or block count up: that memory is never reused (named counts go
-# back through the daemon). So does a failed fork (the hooks cannot tell), and a
-# subprocess with ``preexec_fn`` (it runs the hooks, then exec drops the views).
+# back through the daemon: the parent gives the child's to it by pid right after the
+# fork, so they go back even if the child is killed before it runs a line; shm_manager
+# Note [Counts given at fork]). So does a failed fork (the hooks cannot tell), and a
+# subprocess with ``preexec_fn`` (it runs the hooks, then exec drops the views; its
+# named counts go back when it ends).
 _fork_counted: tuple = ((), (), ())
 
 
@@ -186,15 +190,35 @@ def _count(held: tuple, n: int) -> None:
         seg.fetch_add(_HDR + block, n)
 
 
+_fork_children: frozenset = frozenset()  # the forking thread's children before the fork
+
+
 def _before_fork() -> None:
-    global _fork_counted
+    global _fork_counted, _fork_children
     _fork_counted = _held()
     _count(_fork_counted, 1)
+    _fork_children = _thread_children() if _fork_counted[1] else frozenset()
 
 
 def _after_fork_in_parent() -> None:
     global _fork_counted
-    _fork_counted = ((), (), ())  # the counts are the child's
+    named, _fork_counted = _fork_counted[1], ((), (), ())  # the counts are the child's
+    if named:  # given to the child by pid: the daemon takes them back if it dies before it claims them
+        new = _thread_children() - _fork_children
+        if len(new) == 1:
+            (pid,) = new
+            start = shm_manager_paths.start_time(pid)
+            if start is not None:
+                shm_manager.give(pid, start, [(seg.name, seg.dir) for seg in named])
+
+
+def _thread_children() -> frozenset:
+    """The pids of the children the calling thread forked (Linux's /proc/thread-self/children), or none."""
+    try:
+        with open("/proc/thread-self/children") as f:
+            return frozenset(map(int, f.read().split()))
+    except (OSError, ValueError):
+        return frozenset()
 
 
 def _after_fork_in_child():
@@ -205,9 +229,15 @@ def _after_fork_in_child():
     _arenas = _Arenas()
     counted, _fork_counted = _fork_counted, ((), (), ())
     now = _held()
-    _count(tuple(c - h for c, h in zip(counted, now, strict=True)), -1)  # dropped by another thread before the fork
-    _count(tuple(h - c for c, h in zip(counted, now, strict=True)), 1)  # made by another thread before the fork
-    for seg in now[1]:
+    gone = tuple(c - h for c, h in zip(counted, now, strict=True))  # dropped by another thread before the fork
+    made = tuple(h - c for c, h in zip(counted, now, strict=True))  # made by another thread before the fork
+    for seg in counted[1]:
+        shm_manager.claim(seg.name, seg.dir)  # the count the parent took, and gave us (Note [Counts given at fork])
+    _count((gone[0], (), gone[2]), -1)
+    for seg in gone[1]:
+        _release_named(seg)
+    _count(made, 1)
+    for seg in made[1]:
         shm_manager.hold(seg.name, seg.dir)  # the daemon gives the child's count back if it is killed
 
 
@@ -296,11 +326,22 @@ def new_segment(size: int, strategy: str | None = None, name: str | None = None)
 
 def _create(size: int, strategy: str | None, name: str | None) -> shm_core.Segment:
     if (strategy or get_sharing_strategy()) == "file_system":
-        seg = shm_core.create(size, name=name or shm_manager.new_name())
-        seg.incref()
-        shm_manager.register(seg.name)
+        # The daemon hears of the name and of our count before the file exists: killed anywhere from here on, its
+        # give-back removes a segment no one else has seen (in the other order, the count or the file would stay).
+        name = name or shm_manager.new_name()
+        shm_manager.register(name)
+        shm_manager.hold(name)
+        try:
+            seg = shm_core.create(size, name=name)
+        except BaseException:
+            shm_manager.release(name)
+            shm_manager.unregister(name)
+            raise
+        seg.release_hook = _release_named
         with _table.lock:
-            return _adopt_named(seg)
+            _table.add(("n", seg.name), seg)
+        seg.incref()
+        return seg
     seg = shm_core.create_anonymous(size)
     with _table.lock:
         _table.add(fd_key(seg.fd), seg)

@@ -11,16 +11,18 @@ remove what a group left when its daemon died with it. Nothing of a live group
 or of another user is ever touched.
 """
 
-from ._client import daemon_pid, flush, hold, register, release, unregister
+from ._client import claim, daemon_pid, flush, give, hold, register, release, unregister
 from ._gc import gc, list_segments, stats
 from ._group import current_group, group, join_group, member, new_name
 from ._paths import runtime_dir
 
 __all__ = [
+    "claim",
     "current_group",
     "daemon_pid",
     "flush",
     "gc",
+    "give",
     "group",
     "hold",
     "join_group",

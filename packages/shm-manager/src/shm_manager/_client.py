@@ -17,7 +17,10 @@ _group.py), or by the next program's sweep or ``gc``.
 
 Frame: ``<u32 length><op><name>``, op ``R`` (register) or ``U``, ``H`` (this
 process holds one count of the segment's refcount) or ``X`` (the daemon takes
-one count back for it: unlinking at zero).
+one count back for it: unlinking at zero); and for the counts a fork child
+inherits (Note [Counts given at fork] in _daemon.py), ``G`` with
+``<pid>:<start time>:<name>`` (the parent gave that child one count) and ``C``
+with ``<start time>:<name>`` (the child claims one count its parent gave it).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class _Conn:
         self.pending = bytearray()
         self.names: set[str] = set()
         self.holds: dict[str, int] = {}  # name -> counts this process holds
+        self.claims: dict[str, int] = {}  # of those, counts given at fork not claimed yet (unconnected)
 
 
 class _Lock:
@@ -163,6 +167,41 @@ def hold(name: str, dir: str | os.PathLike | None = None) -> None:
             c = _conn(dir, token)
             c.holds[name] = c.holds.get(name, 0) + 1
             _tell(c, b"H", name)
+    except Exception:
+        pass
+
+
+def give(pid: int, start: int, names: list[tuple[str, str | os.PathLike | None]]) -> None:
+    """The parent of a fork child ``pid`` (started at ``start``, clock ticks since boot) counted one refcount of
+    each named segment of ``names`` ((name, dir) pairs) for it: tell the daemons, which give those counts back if
+    the child dies before it claims them (Note [Counts given at fork] in _daemon.py). Fire-and-forget."""
+    try:
+        with _lock:
+            for name, dir in names:
+                c = _conn(dir, _group.member(dir, _token(name))[0])
+                if c.sock is None:
+                    _connect(c)
+                if c.sock is not None:
+                    c.pending += _frame(b"G", f"{pid}:{start}:{name}")
+                    _drain(c)
+    except Exception:
+        pass
+
+
+def claim(name: str, dir: str | os.PathLike | None = None) -> None:
+    """In a fork child: this process holds the count of the segment its parent took for it before the fork (and
+    told the daemon of with :func:`give`); as :func:`hold`, but no new count (Note [Counts given at fork])."""
+    try:
+        token = _group.member(dir, _token(name))[0]
+        with _lock:
+            c = _conn(dir, token)
+            c.holds[name] = c.holds.get(name, 0) + 1
+            if c.sock is None:
+                c.claims[name] = c.claims.get(name, 0) + 1
+                _connect(c)
+            else:
+                c.pending += _frame(b"C", f"{_paths.start_time(os.getpid())}:{name}")
+            _drain(c)
     except Exception:
         pass
 
@@ -296,7 +335,11 @@ def _connect(c: _Conn, force: bool = False) -> bool:
         return False
     c.sock = sock
     c.pending = bytearray(b"".join(_frame(b"R", n) for n in c.names))
-    c.pending += b"".join(_frame(b"H", n) * k for n, k in c.holds.items())
+    c.pending += b"".join(_frame(b"H", n) * (k - c.claims.get(n, 0)) for n, k in c.holds.items())
+    if c.claims:  # (once: a daemon met later, a new one, knows of no count given)
+        start = _paths.start_time(os.getpid())
+        c.pending += b"".join(_frame(b"C", f"{start}:{n}") * k for n, k in c.claims.items())
+        c.claims.clear()
     return True
 
 

@@ -32,6 +32,27 @@ with ``unlinkat`` on that descriptor. A connection from another uid is closed
 at once; refusals are logged at most once per ``_REFUSAL_INTERVAL``, and the
 log is capped (``_paths.log``).
 
+Note [Counts given at fork]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A fork child inherits its parent's views of named segments, and the parent
+takes the child's counts before the fork (mp_reductions Note [fork]). A child
+that told the daemon itself (``H``) would leave those counts up for good if it
+were killed first (a Pool's replacement worker killed at once). So the parent,
+right after the fork, gives them to the child by pid: ``G pid:start:name``,
+on its own connection; the daemon watches the child (a pidfd) and gives every
+count it was given back when the child dies unclaimed. The child claims its
+counts on its own connection (``C start:name``, its pid from the socket's
+credentials): a claim moves a given count to the connection's holds, which go
+back at its EOF, as any hold. The two frames come on two sockets, in either
+order: a claim that finds nothing given yet counts as a hold and waits for its
+``G``, which it then absorbs (kept ``_CLAIM_KEEP`` seconds), and a child's
+given counts go back only once it is dead *and* every connection of it was
+read to its end (its claims sent before its death are taken first)::
+
+    parent --G pid:start:name--> daemon: given[child][name] += 1, watch pidfd(child)
+    child  --C start:name------> daemon: given -> holds[conn]   (or a claim that waits for G)
+    child dies: EOF (holds[conn] back) + pidfd (given back, once no connection of it is left)
+
 Start-up: the first process binds and listens in a forked grandchild, reports
 over a pipe and exits, so the caller's ``wait()`` returns once the address
 accepts connections and the daemon is nobody's child (no zombie, own session).
@@ -60,6 +81,7 @@ from . import _gc, _paths
 
 _MAX_FRAME = 4 << 10
 _REFUSAL_INTERVAL = 10.0
+_CLAIM_KEEP = 60.0  # seconds a claim that came before its G waits for it (Note [Counts given at fork])
 
 
 class Daemon:
@@ -69,6 +91,12 @@ class Daemon:
         self.names: set[str] = set()
         self.clients: dict[socket.socket, bytearray] = {}
         self.holds: dict[socket.socket, dict[str, int]] = {}  # counts each client holds
+        self.peers: dict[socket.socket, int] = {}  # each client's pid
+        # Note [Counts given at fork]: (pid, start time) -> counts given, claims ahead of their G (and since when)
+        self.given: dict[tuple[int, int], dict[str, int]] = {}
+        self.early: dict[tuple[int, int], tuple[float, dict[str, int]]] = {}
+        self.watched: dict[tuple[int, int], int] = {}  # child -> its pidfd
+        self.dead: set[tuple[int, int]] = set()  # children seen dead, their given counts not back yet
         self.refused: dict[int, int] = {}  # uid -> connections refused since the last log line
         self.refusals_logged = -_REFUSAL_INTERVAL
         self.sel = selectors.DefaultSelector()
@@ -86,23 +114,32 @@ class Daemon:
                         return
                     wait = 0.1  # members without a connection still live: poll their lock
                 timeout = wait
+            if self.early:
+                timeout = _CLAIM_KEEP if timeout is None else min(timeout, _CLAIM_KEEP)
             for key, _ in self.sel.select(timeout):
                 if key.fileobj is self.listener:
                     self._accept()
+                elif key.data is not None:  # a watched child ended
+                    self._child_ended(key.data)
                 elif not self._read(key.fileobj):
                     self._release_holds(key.fileobj)
                     self.sel.unregister(key.fileobj)
                     del self.clients[key.fileobj]
+                    pid = self.peers.pop(key.fileobj)
                     key.fileobj.close()
+                    self._settle_dead(pid)
                     if not self.clients:
                         idle_since = time.monotonic()
+            if self.early:
+                now = time.monotonic()
+                self.early = {child: got for child, got in self.early.items() if now - got[0] < _CLAIM_KEEP}
 
     def _accept(self) -> None:
         try:
             conn, _ = self.listener.accept()
         except OSError:
             return
-        _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
         if uid != self.uid:
             conn.close()
             self.refused[uid] = self.refused.get(uid, 0) + 1
@@ -111,6 +148,7 @@ class Daemon:
             return
         conn.setblocking(False)
         self.clients[conn] = bytearray()
+        self.peers[conn] = pid
         self.sel.register(conn, selectors.EVENT_READ)
 
     def _log_refusals(self) -> None:
@@ -142,9 +180,19 @@ class Daemon:
                 break
             op, name = bytes(buf[4:5]), os.fsdecode(bytes(buf[5:4 + n]))
             del buf[:4 + n]
+            child = None
+            if op in (b"G", b"C"):  # Note [Counts given at fork]
+                *numbers, name = name.split(":", 2) if op == b"G" else [str(self.peers[conn]), *name.split(":", 1)]
+                if len(numbers) != 2 or not all(x.isdigit() and len(x) < 20 for x in numbers):
+                    continue
+                child = (int(numbers[0]), int(numbers[1]))
             if not self.pattern.fullmatch(name):
                 continue  # only names of this group, ever (Note [Daemon input])
-            if op == b"R":
+            if op == b"G":
+                self._given(child, name)
+            elif op == b"C":
+                self._claimed(conn, child, name)
+            elif op == b"R":
                 self.names.add(name)
             elif op == b"U":
                 self.names.discard(name)
@@ -157,6 +205,62 @@ class Daemon:
                     holds[name] -= 1
                     self._decref(name, 1, None)
         return True
+
+    def _given(self, child: tuple[int, int], name: str) -> None:
+        """A parent gave ``child`` one count of ``name`` (Note [Counts given at fork])."""
+        early = self.early.get(child)
+        if early is not None and early[1].get(name, 0) > 0:  # claimed already: that claim was this count
+            early[1][name] -= 1
+            return
+        given = self.given.setdefault(child, {})
+        given[name] = given.get(name, 0) + 1
+        if child not in self.watched and child not in self.dead:
+            self._watch(child)
+
+    def _claimed(self, conn: socket.socket, child: tuple[int, int], name: str) -> None:
+        """``child`` (on ``conn``) holds a count its parent gave it: a hold of the connection from now on."""
+        holds = self.holds.setdefault(conn, {})
+        holds[name] = holds.get(name, 0) + 1
+        given = self.given.get(child, {})
+        if given.get(name, 0) > 0:
+            given[name] -= 1
+        else:  # its G is still on the way
+            counts = self.early.setdefault(child, (time.monotonic(), {}))[1]
+            counts[name] = counts.get(name, 0) + 1
+
+    def _watch(self, child: tuple[int, int]) -> None:
+        """Give ``child``'s given counts back when it dies (its pidfd turns readable; a zombie's is)."""
+        pid, start = child
+        try:
+            fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):  # gone (ESRCH), or no pidfds (then its counts go when the group ends)
+            fd = None
+        if fd is not None and _paths.start_time(pid) == start:
+            self.watched[child] = fd
+            self.sel.register(fd, selectors.EVENT_READ, child)
+            return
+        if fd is not None:
+            os.close(fd)
+        if _paths.start_time(pid) != start:  # another process has its pid now: it is dead
+            self.dead.add(child)
+            self._settle_dead(pid)
+
+    def _child_ended(self, child: tuple[int, int]) -> None:
+        fd = self.watched.pop(child)
+        self.sel.unregister(fd)
+        os.close(fd)
+        self.dead.add(child)
+        self._settle_dead(child[0])
+
+    def _settle_dead(self, pid: int) -> None:
+        """Give back what was given to the dead children of pid ``pid`` once no connection of it is left unread."""
+        if pid in self.peers.values():
+            return  # its claims may still be in that socket: settled at its EOF
+        for child in [c for c in self.dead if c[0] == pid]:
+            self.dead.discard(child)
+            for name, n in self.given.pop(child, {}).items():
+                if n > 0:
+                    self._decref(name, n, "a fork child died before it claimed it")
 
     def _release_holds(self, conn: socket.socket) -> None:
         """A client died holding counts: give them back, unlinking what nobody holds any more."""
@@ -174,7 +278,13 @@ class Daemon:
             if not stat.S_ISREG(st.st_mode) or st.st_uid != self.uid:
                 return
             seg = shm_core.attach_fd(fd, sealed=False)  # a named file (named files cannot be sealed)
-        except (OSError, ValueError):
+        except ValueError:  # no segment yet: its maker died making it (the count was told first), no one saw it
+            if why:
+                os.unlink(name, dir_fd=self.dfd)
+                self.names.discard(name)
+                _paths.log(self.rdir, self.group, f"{why}; removed {name}, which it died making")
+            return
+        except OSError:
             return
         finally:
             os.close(fd)

@@ -73,6 +73,16 @@ NAME_RE = re.compile(rf"(?P<prefix>{_PREFIX})(?P<uid>[0-9]+)_(?P<group>[0-9a-z]+
 _warned: set = set()
 
 
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started (field 22 of /proc/<pid>/stat, clock ticks since boot): with its pid, a name for a
+    process that no later process can have. None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rpartition(b")")[2].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def parse(name: str) -> tuple[str, int, str, int] | None:
     """``(prefix, uid, group, pid)`` of a segment name made by ``segment_name``, else None."""
     m = NAME_RE.fullmatch(name)
