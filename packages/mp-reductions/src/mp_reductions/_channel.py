@@ -184,8 +184,7 @@ def _spill(payload, room: int) -> list[shm_core.Segment]:
     n = len(payload)
     per = n if limit == resource.RLIM_INFINITY else min(n, (limit - shm_core.HEADER_SIZE) // 4096 * 4096)
     count = -(-n // per) if per > 0 else room + 1
-    if count > room or count > 0xFFFF:
-        shm_core.create_anonymous(n)  # raises the file-size limit's SharedMemoryFullError (or works: then this)
+    if count > room or count > 0xFFFF:  # the limit is too small for the parts a message can carry
         raise shm_core.SharedMemoryFullError("memfd (anonymous shared memory)", n, None, fsize=limit)
     spills = []
     for start in range(0, n, per):
