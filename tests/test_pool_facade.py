@@ -71,3 +71,28 @@ def test_short_form_executor():
     with mp.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as ex:
         big = ex.submit(_work.double, np.zeros((300, 300), np.float32)).result(60)
         assert mp.is_shared(big) and big.shape == (300, 300)
+
+
+UNGUARDED = """
+import sys
+import arraymp as mp
+
+with mp.get_context(sys.argv[1]).Pool(2) as pool:  # no `if __name__ == "__main__":`
+    print(pool.map(abs, [-1, -2]))
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_pool_made_when_the_main_module_is_imported_names_the_guard(method, tmp_path):
+    # issue 32: under spawn and forkserver (3.14's default) this is a newcomer's first error; it said "the initializer
+    # raised, or a worker could not unpickle its initargs"
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED)
+    r = subprocess.run([sys.executable, str(script), method], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("mp_reductions._pool.WorkerStartError") and 'if __name__ == "__main__":' in last, last
+    assert "most likely while importing the main module" in last

@@ -226,18 +226,26 @@ class WorkerStartError(Exception):
     """Raised when a pool's workers keep dying before they can run a task (its initializer raises, or they cannot
     unpickle their ``initargs``): the pool starts no more workers, and every unfinished task fails."""
 
-    def __init__(self, failures: int, pid: int, exitcode: int | None):
-        self.failures, self.pid, self.exitcode = failures, pid, exitcode
-        super().__init__(failures, pid, exitcode)
+    def __init__(self, failures: int, pid: int, exitcode: int | None, method: str | None = None):
+        self.failures, self.pid, self.exitcode, self.method = failures, pid, exitcode, method
+        super().__init__(failures, pid, exitcode, method)
 
     def __str__(self) -> str:
-        return (f"{self.failures} pool workers in a row died before they could run a task (the last, {self.pid}, "
-                f"exited with code {self.exitcode}): the initializer raised, or a worker could not unpickle its "
-                "initargs (the cause, or the workers' tracebacks on stderr, say which); the pool starts no more "
-                "workers: fix the initializer or its arguments and make a new pool")
+        died = (f"{self.failures} pool workers in a row died before they could run a task (the last, {self.pid}, "
+                f"exited with code {self.exitcode})")
+        if self.method in ("spawn", "forkserver") and self.__cause__ is None and self.exitcode == 1:
+            # no initializer error came back: most often the workers died importing the main module
+            return (f"{died}, most likely while importing the main module: {self.method} workers import it again "
+                    "before they run, and one that makes a pool (or starts processes) at its top level fails "
+                    "there (the stdlib's \"bootstrapping phase\" RuntimeError in the workers' tracebacks on stderr). "
+                    'Put the code that makes the pool under `if __name__ == "__main__":`. Otherwise a worker could '
+                    "not unpickle the initializer or its initargs; the pool starts no more workers")
+        return (f"{died}: the initializer raised, or a worker could not unpickle its initargs (the cause, or the "
+                "workers' tracebacks on stderr, say which); the pool starts no more workers: fix the initializer "
+                "or its arguments and make a new pool")
 
     def __reduce__(self):
-        return type(self), (self.failures, self.pid, self.exitcode)
+        return type(self), (self.failures, self.pid, self.exitcode, self.method)
 
 
 def _kind(result) -> str:
@@ -484,6 +492,8 @@ class _Slots:
 
     Passed where the stdlib passes the inqueue; ``put`` is the task handler's ``put``.
     """
+
+    method = None  # the pool's start method (its WorkerStartError names the likely cause by it)
 
     def __init__(self, processes: int, cache, batches: bool = True, shared_results: bool = True):
         self.cache = cache
@@ -893,6 +903,7 @@ class Pool(mp_pool.Pool):
         # the stdlib's name: every handler gets it as its inqueue
         self._inqueue = _Slots(self._processes, self._cache, batches=self._maxtasksperchild is None,
                                shared_results=self._shared_results)
+        self._inqueue.method = self._ctx.get_start_method()  # named by WorkerStartError
         self._outqueue = SimpleQueue()
         self._quick_put = self._inqueue.put
 
@@ -1084,7 +1095,7 @@ class Pool(mp_pool.Pool):
                 elif exitcode and exitcode not in (-signal.SIGKILL, -signal.SIGTERM):
                     start_failures += 1
                     if start_failures >= len(slots.queues) and slots.broken is None:
-                        error = WorkerStartError(start_failures, pid, exitcode)
+                        error = WorkerStartError(start_failures, pid, exitcode, slots.method)
                         error.__cause__ = start_errors.get(pid)
                         slots.break_(error)
                 start_errors.pop(pid, None)
