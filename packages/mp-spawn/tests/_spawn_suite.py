@@ -479,31 +479,11 @@ class SpawnSuite:
                 daemon = {pid: proc_state(pid)[1]} if proc_state(pid) else {}
             kill_survivors(daemon)
 
-    def test_a_daemon_that_left_the_group_outlives_a_killed_supervisor(self, tmp_path):
+    def test_a_killed_supervisor_spares_a_daemon_that_left_the_group_and_leaves_no_error_directory(self, tmp_path):
         # One rule under every start method (Note [process groups]): what leaves the child's group is never killed,
-        # whether PR_SET_PDEATHSIG (fork, spawn) or the watchdog (forkserver) ends the child.
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
-        code = f"import _spawn_targets as t; t.session_daemon_driver({str(tmp_path)!r}, {self.start_method!r})"
-        driver = subprocess.Popen([sys.executable, "-c", code], env=env)
-        daemon: dict[int, int] = {}
-        try:
-            path = tmp_path / "session.json"
-            wait_for(path.exists, what="the child and its session daemon")
-            pids = json.loads(path.read_text())
-            daemon = {pids["daemon"]: proc_state(pids["daemon"])[1]}
-            child = {pids["child"]: proc_state(pids["child"])[1]}
-            driver.kill()
-            driver.wait(timeout=WAIT_S)
-            assert still_alive_after(child, DEATH_DEADLINE_S) == []
-            assert still_alive_after(daemon, 0.5) == list(daemon), "a daemon that left the group was killed"
-        finally:
-            driver.kill()
-            driver.wait(timeout=WAIT_S)
-            kill_survivors(daemon)
-
-    def test_a_killed_supervisor_leaves_no_error_directory(self, tmp_path):
-        # Its children's group reapers remove it (the next run in the same TMPDIR would, too late for a user who
-        # looks at /tmp after a killed job).
+        # whether PR_SET_PDEATHSIG (fork, spawn) or the watchdog (forkserver) ends the child. And the children's group
+        # reapers remove the supervisor's error directory (the next run in the same TMPDIR would, too late for a user
+        # who looks at /tmp after a killed job).
         tmp = tmp_path / "tmp"
         tmp.mkdir()
         env = dict(os.environ, TMPDIR=str(tmp),
@@ -513,12 +493,15 @@ class SpawnSuite:
         daemon: dict[int, int] = {}
         try:
             path = tmp_path / "session.json"
-            wait_for(path.exists, what="the child")
-            daemon = {json.loads(path.read_text())["daemon"]: 0}
-            daemon = {pid: proc_state(pid)[1] for pid in daemon if proc_state(pid)}
+            wait_for(path.exists, what="the child and its session daemon")
+            pids = json.loads(path.read_text())
+            daemon = {pids["daemon"]: proc_state(pids["daemon"])[1]}
+            child = {pids["child"]: proc_state(pids["child"])[1]}
             assert [p.name for p in tmp.iterdir() if p.name.startswith("mp_spawn-")], "no error directory was made"
             driver.kill()
             driver.wait(timeout=WAIT_S)
+            assert still_alive_after(child, DEATH_DEADLINE_S) == []
+            assert still_alive_after(daemon, 0.5) == list(daemon), "a daemon that left the group was killed"
             wait_for(lambda: not [p for p in tmp.iterdir() if p.name.startswith("mp_spawn-")],
                      seconds=10, what="the error directory to go")
         finally:

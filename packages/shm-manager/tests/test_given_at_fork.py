@@ -22,8 +22,9 @@ def made(d: str) -> shm_core.Segment:
     return seg
 
 
-def fork_child(then):
-    """A fork child that runs ``then()`` in place of everything else, reported by a pipe; returns (pid, start)."""
+def fork_child(then, linger: bool = False):
+    """A fork child that runs ``then()`` in place of everything else, reported by a pipe (then, ``linger``: it waits
+    to be killed); returns (pid, start time, the pipe's reading end)."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -31,6 +32,8 @@ def fork_child(then):
             then()
         finally:
             os.write(w, b"x")
+            if linger:
+                time.sleep(30)
             os._exit(0)
     os.close(w)
     return pid, _paths.start_time(pid), r
@@ -119,22 +122,17 @@ def test_a_segment_its_maker_died_making_is_removed(tmp_path, monkeypatch):
     monkeypatch.setenv("ARRAYMP_SHM_DIR", str(tmp_path))
     d = str(tmp_path)
     name = shm_manager.new_name()
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            shm_manager.register(name, d)
-            shm_manager.hold(name, d)
-            shm_manager.flush()
-            fd = os.open(os.path.join(d, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            os.ftruncate(fd, 8192)
-            os.write(w, b"x")
-            time.sleep(30)
-        finally:
-            os._exit(0)
+
+    def make_half():
+        shm_manager.register(name, d)
+        shm_manager.hold(name, d)
+        shm_manager.flush()
+        fd = os.open(os.path.join(d, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.ftruncate(fd, 8192)
+
+    pid, _, r = fork_child(make_half, linger=True)
     assert os.read(r, 1) == b"x"
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     os.close(r)
-    os.close(w)
     wait_until(lambda: not os.path.exists(os.path.join(d, name)), 5, "the daemon to remove the half-made segment")

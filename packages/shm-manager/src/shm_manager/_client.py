@@ -188,6 +188,16 @@ def give(pid: int, start: int, names: list[tuple[str, str | os.PathLike | None]]
         pass
 
 
+_start: tuple[int, int | None] = (0, None)  # (pid, its start time): read once per process, not once per claim
+
+
+def _my_start() -> int | None:
+    global _start
+    if _start[0] != os.getpid():
+        _start = (os.getpid(), _paths.start_time(os.getpid()))
+    return _start[1]
+
+
 def claim(name: str, dir: str | os.PathLike | None = None) -> None:
     """In a fork child: this process holds the count of the segment its parent took for it before the fork (and
     told the daemon of with :func:`give`); as :func:`hold`, but no new count (Note [Counts given at fork])."""
@@ -200,7 +210,7 @@ def claim(name: str, dir: str | os.PathLike | None = None) -> None:
                 c.claims[name] = c.claims.get(name, 0) + 1
                 _connect(c)
             else:
-                c.pending += _frame(b"C", f"{_paths.start_time(os.getpid())}:{name}")
+                c.pending += _frame(b"C", f"{_my_start()}:{name}")
             _drain(c)
     except Exception:
         pass
@@ -337,7 +347,7 @@ def _connect(c: _Conn, force: bool = False) -> bool:
     c.pending = bytearray(b"".join(_frame(b"R", n) for n in c.names))
     c.pending += b"".join(_frame(b"H", n) * (k - c.claims.get(n, 0)) for n, k in c.holds.items())
     if c.claims:  # (once: a daemon met later, a new one, knows of no count given)
-        start = _paths.start_time(os.getpid())
+        start = _my_start()
         c.pending += b"".join(_frame(b"C", f"{start}:{n}") * k for n, k in c.claims.items())
         c.claims.clear()
     return True
