@@ -1,13 +1,18 @@
 """One test session per package, each installing only that package and what it
 declares (siblings from their folders, not editable); plus the facade, lint,
-release_check, bench and soak. ``nox`` runs every session but bench and soak;
-``nox -l`` lists them.
+docs and release_check: ``nox`` runs these (README.md's test command, under 20
+minutes on 2 cores), on the interpreter that runs nox. By name only (CI runs
+them, .ci/run): ``tests-3.X`` (every suite on CPython 3.X), ``stdlib_suite-3.X``,
+``nonroot``, and bench and soak. ``nox -l`` lists them; a session whose
+interpreter is not installed is skipped with a message (.ci/pythons makes a
+root that has them).
 
 Our packages depend on each other by name and version range, and none of the
 names is ours on a public index: every install here names the sibling folders
 on the command line (pip and uv then take those names from the folders and
 never ask an index for them), and release_check proves it."""
 
+import email.message
 import email.parser
 import os
 import pathlib
@@ -20,8 +25,11 @@ import zipfile
 import nox
 
 nox.options.default_venv_backend = "uv|virtualenv"
-nox.options.sessions = ["shm_core", "shm_manager", "mp_reductions", "shm_cuda", "mp_spawn", "mp_dask", "facade",
-                        "nonroot", "stdlib_suite", "lint", "docs", "release_check"]
+nox.options.sessions = ["shm_core", "shm_manager", "mp_reductions", "shm_cuda", "mp_spawn", "mp_dask", "facade", "lint",
+                        "docs", "release_check"]
+nox.options.error_on_missing_interpreters = False  # (nox's default is True where CI is set)
+PYTHONS = ["3.11", "3.12", "3.13", "3.14", "3.15"]  # requires-python of every package: >=3.11
+NO_CUPY = ["3.15"]
 
 ROOT = pathlib.Path(__file__).parent
 FOLDERS = [f"packages/{name}" for name in ("shm-core", "shm-manager", "mp-reductions", "shm-cuda", "mp-spawn",
@@ -83,6 +91,16 @@ def mp_dask(session):
 @nox.session
 def facade(session):
     _test(session, PKG["facade"], "tests")
+
+
+@nox.session(python=PYTHONS)
+def tests(session):
+    """Every package's suite and the facade's on one interpreter (``nox -s tests-3.14``), in one venv."""
+    # cupy (its API is checked without a GPU) where it has a wheel: cupy-cuda12x 14.2 has none for 3.15
+    extras = "joblib" if session.python in NO_CUPY else "cuda12,joblib"
+    session.install(*FOLDERS, f".[{extras}]", "scikit-learn", "hypothesis", "pytest")
+    for suite in [f"{folder}/tests" for folder in FOLDERS] + ["tests"]:
+        session.run("python", "-m", "pytest", suite, *session.posargs)
 
 
 # A normal user's limits (issue 20): the soft RLIMIT_NOFILE most distributions give, under a hard one that lets a
@@ -167,7 +185,7 @@ def _end_user_processes(uid: int) -> None:
             pass
 
 
-@nox.session
+@nox.session(python=PYTHONS)
 def stdlib_suite(session):
     """CPython's own multiprocessing tests (the interpreter's test._test_multiprocessing) with arraymp's Queue,
     JoinableQueue, SimpleQueue, Pipe, Pool and get_context substituted, compared with the same tests on the stdlib,

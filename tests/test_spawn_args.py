@@ -1,5 +1,5 @@
-"""Arrays as ``mp.spawn`` arguments (issue 24): the canonical torch.multiprocessing program. A plain array of 64 KiB
-or more killed every spawn / forkserver child ("process 0 terminated with exit code 1 before it could run its
+"""Arrays as ``mp.start_processes`` arguments (issue 24): the canonical torch.multiprocessing program. A plain array
+of 64 KiB or more killed every spawn / forkserver child ("process 0 terminated with exit code 1 before it could run its
 function"): its temporary segment's descriptor was closed before the launcher passed it."""
 
 import _work
@@ -20,7 +20,7 @@ def test_arrays_as_spawn_arguments(method, strategy, shared, n):
         a = mp.empty_shared(n) if shared else np.empty(n)
         a[:] = np.arange(n)
         out = mp.get_context(method).SimpleQueue()
-        mp.spawn(_work.train, args=(a, shared, out), nprocs=2, start_method=method)
+        mp.start_processes(_work.train, args=(a, shared, out), nprocs=2, start_method=method)
         got = sorted(out.get() for _ in range(2))
         total = float(n * (n - 1) // 2)
         assert got == [(0, total, shared), (1, total, shared)]

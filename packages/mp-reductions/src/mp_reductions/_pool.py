@@ -248,6 +248,16 @@ class WorkerStartError(Exception):
         return type(self), (self.failures, self.pid, self.exitcode, self.method)
 
 
+# From Python 3.14 the fork server imports the main module itself as it starts (it preloads __main__), so a
+# script that makes a pool at its top level ends the fork server, and the start fails with a broken connection.
+_FORKSERVER_DIED = (
+    "the fork server exited before it could start a pool worker. It imports the main module first, and a script "
+    "that makes a pool (or starts processes) at its top level fails there (the stdlib's \"bootstrapping phase\" "
+    "RuntimeError in its traceback on stderr above). Put the code that makes the pool under "
+    '`if __name__ == "__main__":`'
+)
+
+
 def _kind(result) -> str:
     if isinstance(result, mp_pool.MapResult):
         return "map"
@@ -943,7 +953,12 @@ class Pool(mp_pool.Pool):
                                                   inqueue.shared_results))
             w.name = w.name.replace("Process", "PoolWorker")
             w.daemon = True
-            w.start()
+            try:
+                w.start()
+            except (ConnectionError, EOFError) as exc:
+                if ctx.get_start_method() != "forkserver":
+                    raise
+                raise RuntimeError(_FORKSERVER_DIED) from exc
             inqueue.workers[k] = w
             pool.append(w)
             util.debug("added worker")

@@ -76,7 +76,12 @@ stdlib checks), raises a RuntimeError that names the guard, and writes it to
 the error file of this child, for the parent to raise as usual.  The child
 knows that file from its process name: the parent sends the name to the child
 before the main module (the one thing it sends first), so it appends the path
-(``_NAME_TAG``) for the start and takes it off again on both sides.
+(``_NAME_TAG``) for the start and takes it off again on both sides.  From
+Python 3.14 the fork server imports the main module itself as it starts (it
+preloads ``__main__``), and such a script ends it there, before any child
+exists: our RuntimeError (or the stdlib's) goes to its stderr, and the start
+fails with a broken connection to it.  A forkserver start that fails so, with
+no child's error file, raises a RuntimeError that names the guard.
 """
 
 from __future__ import annotations
@@ -155,6 +160,13 @@ def _wrap(fn, i, args, error_dir, parent_pid, parent_start, expected_ppid, exit_
         _stop_own_children()
         _arm_exit_backstop(exit_timeout)
         sys.exit(1)
+
+
+_FORKSERVER_DIED = (
+    "the fork server exited before it could start the processes. It imports the main module first, and a script "
+    "that starts processes (or makes a pool) at its top level fails there: its traceback is on stderr above. "
+    'The script needs `if __name__ == "__main__":`; put the code that starts processes under it.'
+)
 
 
 def _refuse_unguarded_start() -> None:
@@ -580,6 +592,8 @@ def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method
         for i, record in records:
             if record is not None:
                 raise _errors.raised_exception(i, processes[i].pid, record) from exc
+        if start_method == "forkserver" and isinstance(exc, (ConnectionError, EOFError)):
+            raise RuntimeError(_FORKSERVER_DIED) from exc
         raise
     finally:
         for process in processes:
@@ -630,8 +644,8 @@ def spawn(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
     if start_method != "spawn":
         msg = (
             f"This method only supports start_method=spawn (got: {start_method}).\n"
-            "To use a different start_method use:\n\t\t"
-            " mp_spawn.start_processes(...)"
+            "To use a different start_method, call start_processes(...) with the same arguments, from the "
+            "module you took spawn from (arraymp.start_processes, mp_spawn.start_processes)"
         )
         warnings.warn(msg, FutureWarning, stacklevel=2)
     return start_processes(fn, args, nprocs, join, daemon, start_method="spawn")

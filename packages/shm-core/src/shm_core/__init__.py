@@ -10,6 +10,9 @@ import sys
 
 if not sys.platform.startswith("linux"):  # pragma: no cover
     raise ImportError(f"shm-core supports Linux only (memfd, tmpfs, futex); this is {sys.platform}")
+if sys.implementation.name != "cpython":  # pragma: no cover
+    raise ImportError(f"shm-core supports CPython 3.11 to 3.15 only (its extension uses CPython's C API, and the "
+                      f"packages above it CPython's multiprocessing); this is {sys.implementation.name}")
 
 from ._fds import check_headroom, recv_fds, recv_many, send_fds
 from ._native import Mapping, address, array_from, file_id, pack_array
