@@ -86,7 +86,21 @@ def tasks(method: str, n: int, repeat: int, workers: int) -> dict[str, tuple[flo
             pair = times.setdefault("submit", ([], []))
             for side, seconds in zip(pair, _timed(_submit, a, b, n), strict=True):
                 side.append(seconds)
+    startup = times.setdefault(f"Pool({workers}) start, a task each, join", ([], []))
+    for _ in range(repeat):
+        for side, ctx in zip(startup, (std, ours), strict=True):
+            side.append(_startup(ctx, workers))
     return {k: (statistics.median(s), statistics.median(o)) for k, (s, o) in times.items()}
+
+
+def _startup(ctx, workers: int) -> float:
+    """Seconds from a new Pool to its workers joined, with one tiny task each in between."""
+    t0 = time.perf_counter()
+    pool = ctx.Pool(workers)
+    pool.map(abs, range(workers), chunksize=1)
+    pool.close()
+    pool.join()
+    return time.perf_counter() - t0
 
 
 def _echo(kind: str, inbox, outbox, n: int) -> None:
@@ -166,6 +180,8 @@ def messages(method: str, n: int, repeat: int) -> dict[str, tuple[float, float]]
 def main(n: int = 5000, repeat: int = 5, workers: int = 2, methods=METHODS) -> int:
     print(f"per-task cost: {workers} workers, N = {n} tiny tasks, median of {max(repeat, 5)}; ratio = arraymp / stdlib "
           "(time: < 1 is faster)")
+    default = multiprocessing.get_all_start_methods()[0]  # (the stdlib lists its default first)
+    print(f"this Python's default start method: {default}")
     print("| workload | " + " | ".join(f"{m}: stdlib s | arraymp s | ratio" for m in methods) + " |")
     print("|---|" + "---|---|---|" * len(methods))
     rows: dict[str, list[str]] = {}
