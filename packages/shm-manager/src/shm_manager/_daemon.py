@@ -92,7 +92,7 @@ class Daemon:
         self.clients: dict[socket.socket, bytearray] = {}
         self.holds: dict[socket.socket, dict[str, int]] = {}  # counts each client holds
         self.peers: dict[socket.socket, int] = {}  # each client's pid
-        # Note [Counts given at fork]: (pid, start time) -> counts given, claims ahead of their G (and since when)
+        # (pid, start time) -> counts given, claims ahead of their G (and since when): Note [Counts given at fork]
         self.given: dict[tuple[int, int], dict[str, int]] = {}
         self.early: dict[tuple[int, int], tuple[float, dict[str, int]]] = {}
         self.watched: dict[tuple[int, int], int] = {}  # child -> its pidfd
