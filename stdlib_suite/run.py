@@ -1,6 +1,6 @@
 """Run CPython's multiprocessing tests on the stdlib and with arraymp's objects, and compare.
 
-    python -m stdlib_suite.run [--all] [--methods spawn,fork,forkserver] [--jobs 2]
+    python -m stdlib_suite.run [--all] [--methods spawn,fork,forkserver] [--jobs 2] [--keep DIR]
 
 For each start method, the interpreter's ``test._test_multiprocessing`` runs
 twice, each run in a process of its own (see ``_suite.py``): on the plain
@@ -11,7 +11,9 @@ test that passes on the stdlib and not with arraymp fails the run, unless
 ``allowed.txt`` (beside this file) names it with the reason; it runs a second
 time first, alone, so that a test that only failed by timing under load is
 reported as such, not as a difference. Exit status: 0 when no difference is
-left, 1 otherwise, 2 when the interpreter lacks the ``test`` package.
+left, 1 otherwise, 2 when the interpreter lacks the ``test`` package. The runs'
+logs are removed when the comparison passes, and kept (the path printed) when
+it fails or ``--keep`` names a folder for them.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -64,8 +67,9 @@ def run_one(mode: str, method: str, names: list[str], out: pathlib.Path, log: pa
            "PYTHONPATH": os.pathsep.join([str(HERE.parent), *filter(None, [os.environ.get("PYTHONPATH")])])}
     with open(log, "w") as f:
         try:
+            # in the run's folder: CPython's tests make (and may leave) their @test_* files in the current one
             return subprocess.run([sys.executable, "-m", "stdlib_suite.run", "--child", str(out), *names], env=env,
-                                  stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=out.parent,
                                   timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             f.write(f"\n[stdlib_suite] the run took over {timeout:.0f} s and was stopped\n")
@@ -158,7 +162,7 @@ def main() -> int:
         return 2
     names = _all_classes() if args.all else list(SELECTED)
     methods = [m for m in args.methods.split(",") if m]
-    work = pathlib.Path(args.keep or tempfile.mkdtemp(prefix="stdlib_suite_"))
+    work = pathlib.Path(args.keep or tempfile.mkdtemp(prefix="stdlib_suite_")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     print(f"stdlib_suite: {sys.executable} (Python {sys.version.split()[0]}), {len(names)} classes, "
           f"methods {methods}; logs in {work}", flush=True)
@@ -209,6 +213,10 @@ def main() -> int:
     for name in sorted(set(allow) - used):
         print(f"allowed.txt: {name} passed with arraymp (or did not run): remove it if it passes everywhere")
     print(f"stdlib_suite: {'FAILED' if failed else 'OK'} in {time.monotonic() - start:.0f} s")
+    if failed or args.keep:
+        print(f"stdlib_suite: logs and results in {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     return 1 if failed else 0
 
 

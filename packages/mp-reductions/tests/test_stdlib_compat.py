@@ -125,3 +125,21 @@ def test_getters_killed_right_after_receiving_leave_no_slot_taken():
         q.put_nowait(rounds)
     assert [q.get(timeout=60) for _ in range(rounds)] == list(range(rounds))
     q.close()
+
+
+@pytest.mark.parametrize("cls", [mpr.Queue, mpr.JoinableQueue])
+def test_close_of_an_unused_queue_only_marks_it_closed_as_the_stdlibs(cls):
+    # CPython 3.13.x / 3.14's test_closed_queue_empty_exceptions: the stdlib's close() closes the ends only once a
+    # put started the feeder; after that, empty() raises OSError
+    for q in (cls(), multiprocessing.get_context().Queue()):
+        q.close()
+        q.join_thread()
+        assert q.empty()
+        with pytest.raises(ValueError, match="is closed"):
+            q.put(1)
+    for q in (cls(), multiprocessing.get_context().Queue()):
+        q.put("foo")
+        q.close()
+        q.join_thread()
+        with pytest.raises(OSError, match="is closed"):
+            q.empty()

@@ -73,9 +73,13 @@ _WAITERS = _COUNT + 16  # putters waiting for room
 # both sockets are closed (after close(), get() raises ValueError, as the
 # stdlib's does; the stdlib's feeder thread closes both connections too). The
 # other processes' descriptors of the same sockets stay open: the queue lives
-# on for them.
+# on for them. As in the stdlib (whose ends close only once a put started its
+# feeder), close() of a queue this process never put on only marks it closed:
+# empty() still answers, and its ends close when it is dropped; once closed,
+# empty() raises the stdlib's OSError.
 #
-#   close() ─ no feeder thread ─────────────────────────────▶ both ends closed now
+#   close() ─ no put yet ───────────────────────────────────▶ marked closed; ends closed when dropped
+#          ├─ no feeder thread ─────────────────────────────▶ both ends closed now
 #          └─ feeder: _CLOSE queued after the buffered packets ─▶ it sends them, closes both, exits;
 #                                                                 join_thread() waits for that
 #
@@ -185,6 +189,7 @@ class Queue(mp_queues.Queue):
                 os.close(fd)
         self._pending = collections.deque()  # taken but not opened yet (_channel Note [opening named segments])
         self._closed = False
+        self._used = False  # a put was made in this process (Note [closing])
         self._joincancelled = False
         self._notempty = threading.Condition(threading.Lock())
         self._buffer = collections.deque()
@@ -222,6 +227,7 @@ class Queue(mp_queues.Queue):
     def put(self, obj, block: bool = True, timeout: float | None = None) -> None:
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
+        self._used = True
         self._take_slot(block, timeout)
         try:
             packet = Packet(obj)
@@ -330,6 +336,8 @@ class Queue(mp_queues.Queue):
         return max(0, self._state.load(_COUNT))  # Note [slots]
 
     def empty(self) -> bool:
+        if self._reader.fileno() < 0:
+            raise OSError("handle is closed")  # as the stdlib's, once close() closed it (Note [closing])
         return not self._pending and not _wait_readable(self._reader, 0)
 
     def full(self) -> bool:
@@ -339,7 +347,7 @@ class Queue(mp_queues.Queue):
         """No more puts or gets in this process; what it buffered is sent, then its ends close (Note [closing])."""
         with self._notempty:
             self._closed = True
-            if self._thread is None:
+            if self._thread is None and self._used:
                 self._close_ends()
         close, self._close = self._close, None
         if close is not None:
