@@ -99,8 +99,14 @@ def tests(session):
     # cupy (its API is checked without a GPU) where it has a wheel: cupy-cuda12x 14.2 has none for 3.15
     extras = "joblib" if session.python in NO_CUPY else "cuda12,joblib"
     session.install(*FOLDERS, f".[{extras}]", "scikit-learn", "hypothesis", "pytest")
+    failed = []
     for suite in [f"{folder}/tests" for folder in FOLDERS] + ["tests"]:
-        session.run("python", "-m", "pytest", suite, *session.posargs)
+        try:
+            session.run("python", "-m", "pytest", suite, *session.posargs)
+        except nox.command.CommandFailed:  # run the other suites too, then fail
+            failed.append(suite)
+    if failed:
+        session.error(f"failed on Python {session.python}: {', '.join(failed)}")
 
 
 # A normal user's limits (issue 20): the soft RLIMIT_NOFILE most distributions give, under a hard one that lets a
