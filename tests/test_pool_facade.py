@@ -95,8 +95,10 @@ def test_a_pool_made_when_the_main_module_is_imported_names_the_guard(method, tm
     assert r.returncode == 1
     last = r.stderr.strip().splitlines()[-1]
     assert 'if __name__ == "__main__":' in last, last
-    if method == "forkserver" and sys.version_info >= (3, 14):  # the fork server imports the main module itself
-        assert last.startswith("RuntimeError: the fork server exited before it could start a pool worker"), last
+    if method == "forkserver" and last.startswith("RuntimeError: the fork server exited"):
+        # the fork server imports the main module itself and died there (3.13.x and 3.14 authenticate the connection
+        # to it, which then breaks; 3.11's starts the workers, which die)
+        assert "before it could start a pool worker" in last, last
     else:
         assert last.startswith("mp_reductions._pool.WorkerStartError"), last
         assert "most likely while importing the main module" in last

@@ -556,9 +556,9 @@ class SpawnSuite:
         message = error_path.read_text()
         assert 'The script needs `if __name__ == "__main__":`' in message
         where = f'File "{script}", line 10, in <module>'  # where the script starts processes
-        if self.start_method == "forkserver" and sys.version_info >= (3, 14):
-            # the fork server imports the main module itself, and dies there before any child starts
-            assert message.startswith("RuntimeError: the fork server exited"), message
+        if message.startswith("RuntimeError: the fork server exited") and self.start_method == "forkserver":
+            # the fork server imports the main module itself, and died there before any child started (3.13.x and
+            # 3.14 authenticate the connection to it, which then breaks; 3.11's starts the children, which fail)
             assert where in result.stderr, result.stderr
         else:
             assert message.startswith("ProcessRaisedException: "), message
