@@ -97,7 +97,7 @@ def test_a_pool_made_when_the_main_module_is_imported_names_the_guard(method, tm
     assert 'if __name__ == "__main__":' in last, last
     if method == "forkserver" and last.startswith("RuntimeError: the fork server exited"):
         # the fork server imports the main module itself and died there (3.13.x and 3.14 authenticate the connection
-        # to it, which then breaks; 3.11's starts the workers, which die)
+        # to it, which then breaks; on 3.11 the workers die instead)
         assert "before it could start a pool worker" in last, last
     else:
         assert last.startswith("mp_reductions._pool.WorkerStartError"), last
