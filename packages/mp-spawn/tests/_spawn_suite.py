@@ -558,7 +558,7 @@ class SpawnSuite:
         where = f'File "{script}", line 10, in <module>'  # where the script starts processes
         if message.startswith("RuntimeError: the fork server exited") and self.start_method == "forkserver":
             # the fork server imports the main module itself, and died there before any child started (3.13.x and
-            # 3.14 authenticate the connection to it, which then breaks; 3.11's starts the children, which fail)
+            # 3.14 authenticate the connection to it, which then breaks; on 3.11 the children fail instead, and say so)
             assert where in result.stderr, result.stderr
         else:
             assert message.startswith("ProcessRaisedException: "), message
