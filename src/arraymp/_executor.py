@@ -101,7 +101,8 @@ class ProcessPoolExecutor(futures.ProcessPoolExecutor):
                 raise RuntimeError("cannot schedule new futures after shutdown")
             if self._pool is None:
                 self._pool = Pool(self._max_workers, self._initializer, self._initargs, self._max_tasks_per_child,
-                                  context=self._mp_context, shared_results=self._shared_results)
+                                  context=self._mp_context, shared_results=self._shared_results,
+                                  daemon=False)  # as the stdlib's workers: they may start processes
             f = futures.Future()
             self._pending.append((f, fn, args, kwargs))
             self._dispatch()

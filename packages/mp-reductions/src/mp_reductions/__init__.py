@@ -4,10 +4,11 @@ Pickler reductions for ``numpy.ndarray`` (registered with the stdlib's
 ``ForkingPickler`` by ``init_reductions()``), the two sharing strategies, the
 shared-array constructors, Queue / SimpleQueue / JoinableQueue / Pipe whose
 messages carry their arrays' descriptors in the same sendmsg, and a Pool over
-them that survives dead workers, and ``executor_map``: Python 3.14's
-``ProcessPoolExecutor.map`` (chunks, ``buffersize``) over any executor. ``shared_allocation()`` and
+them that survives dead workers. ``shared_allocation()`` and
 ``set_shared_allocation()`` make numpy place large arrays in shared memory
-from birth (NEP 49), so they travel with no copy at all.
+from birth (NEP 49), so they travel with no copy at all. ``executor_map`` is
+Python 3.14's ``ProcessPoolExecutor.map`` (chunks, ``buffersize``) over any
+executor's ``submit``, on every Python version.
 """
 
 from ._alloc import set_shared_allocation, shared_allocation
