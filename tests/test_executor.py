@@ -54,11 +54,14 @@ print(json.dumps({"start_method": ex._mp_context.get_start_method(), "results": 
 """
 
 
-def run_retiring(method, max_tasks, wait=True):
+def with_this_module():
     path = [str(pathlib.Path(__file__).parent), os.environ.get("PYTHONPATH")]  # this module, for the workers
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
+
+
+def run_retiring(method, max_tasks, wait=True):
     out = subprocess.run([sys.executable, "-c", RETIRING, method, str(max_tasks), "wait" if wait else "nowait"],
-                         capture_output=True, text=True, timeout=300, env=env)
+                         capture_output=True, text=True, timeout=300, env=with_this_module())
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -88,6 +91,31 @@ def test_short_form_with_max_tasks_per_child_does_not_hang():
 
 def test_queued_work_runs_after_shutdown_without_wait():
     check_retiring(run_retiring("spawn", 1, wait=False), 1)
+
+
+AT_EXIT = """
+import sys
+import arraymp as mp
+import test_executor as t
+
+ex = mp.ProcessPoolExecutor(2, mp_context=mp.get_context(sys.argv[1]))
+for i in range(6):
+    ex.submit(t.touch_later, sys.argv[2], i)
+ex.shutdown(wait=False)  # then the interpreter exits: it waits for the queued work, as the stdlib's
+"""
+
+
+def touch_later(directory, i):
+    time.sleep(0.2)
+    (pathlib.Path(directory) / str(i)).touch()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_the_interpreter_waits_at_exit_for_work_queued_before_shutdown_without_wait(method, tmp_path):
+    out = subprocess.run([sys.executable, "-c", AT_EXIT, method, str(tmp_path)], capture_output=True, text=True,
+                         timeout=120, env=with_this_module())
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [str(i) for i in range(6)]
 
 
 def test_fork_refuses_max_tasks_per_child_as_the_stdlib():

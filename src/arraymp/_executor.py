@@ -13,15 +13,19 @@ What changed from the stdlib, and why:
 
 - Arguments and results move by shared memory, as the Pool moves them: a fresh big result the worker keeps no
   reference to comes back with no copy, any other as a copy (results are snapshots).
-- A worker that dies breaks the executor, as in the stdlib, and the ``BrokenProcessPool`` says which worker and
-  how (its cause, the Pool's ``WorkerLostError``); an initializer that fails breaks it with the Pool's
-  ``WorkerStartError`` as the cause. A call that cannot be pickled, or a result that cannot be unpickled, fails its
-  own future (the stdlib breaks the executor for the second: it cannot tell whose result it was).
+- A worker that dies running a call breaks the executor, as in the stdlib, and the ``BrokenProcessPool`` says
+  which worker and how (its cause, the Pool's ``WorkerLostError``); an initializer that fails breaks it with the
+  Pool's ``WorkerStartError`` as the cause. A worker that dies idle is replaced, as the Pool replaces it (the
+  stdlib's breaks). A call that cannot be pickled, or a result that cannot be unpickled, fails its own future (the
+  stdlib breaks the executor for the second: it cannot tell whose result it was).
 - Workers retired at ``max_tasks_per_child`` are replaced (the stdlib's hangs there up to 3.13, gh-115634).
 - Python 3.14's API on every version: ``map(..., buffersize=)`` (``mp_reductions.executor_map``),
   ``terminate_workers()``, ``kill_workers()``.
 - The workers start at the first ``submit``, all ``max_workers`` of them (the stdlib's start one per ``submit``
-  while none is idle, except under fork).
+  while none is idle, except under fork); they are not daemonic, as the stdlib's, so they may start processes.
+- An executor never shut down is ended with its Pool when it is collected or the interpreter exits (the Pool's
+  finalizer), calls still running or not; the stdlib's waits for them at exit. After ``shutdown(wait=False)`` the
+  interpreter waits for the queued work, as the stdlib's (the closer thread is not a daemon).
 """
 
 from __future__ import annotations
