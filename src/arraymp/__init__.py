@@ -4,12 +4,13 @@
 Queue, SimpleQueue, JoinableQueue, Pipe and Pool of ``mp`` and of
 ``mp.get_context(...)`` move numpy arrays through shared memory instead of
 pickled copies; the Pool also survives dead workers (``WorkerLostError``), and
-``mp.ProcessPoolExecutor`` is ``concurrent.futures``' over our context.
-Importing arraymp registers the array reductions with the stdlib's
-ForkingPickler once, so stdlib queues and spawn-time Process arguments share
-arrays too. Also: sharing strategies, shared-array constructors, and the
-``spawn`` supervisor, and ``shared_allocation()``: large numpy arrays born in
-shared memory, sent with no copy at all.
+``mp.ProcessPoolExecutor`` is ``concurrent.futures``' API over that Pool, with
+Python 3.14's API on every version. Importing arraymp registers the array
+reductions with the stdlib's ForkingPickler once, so stdlib queues and
+spawn-time Process arguments share arrays too. Also: sharing strategies,
+shared-array constructors, and the ``spawn`` supervisor, and
+``shared_allocation()``: large numpy arrays born in shared memory, sent with no
+copy at all.
 """
 
 import sys
@@ -47,8 +48,8 @@ from mp_spawn import (
     start_processes,
 )
 
-from ._context import ProcessPoolExecutor
 from ._context import default_context as _default_context
+from ._executor import ProcessPoolExecutor
 
 # Every public name of multiprocessing, then ours over it (the stdlib's own
 # __init__ copies its default context's bound methods the same way).

@@ -58,6 +58,7 @@ def test_executor_api(ctx):
         fut = ex.submit(g, np.ones(3), b=np.ones(3))
         assert isinstance(fut, concurrent.futures.Future) and not fut.result(60).any()
         assert list(ex.map(g, range(5), range(5))) == [0] * 5
+        assert list(ex.map(g, range(5), range(5), chunksize=2, buffersize=1)) == [0] * 5  # 3.14's, on every version
         done, _ = concurrent.futures.wait([ex.submit(nap, i) for i in range(3)], timeout=60)
         assert sorted(d.result() for d in done) == [0, 1, 2]
     with pytest.raises(RuntimeError, match="after shutdown"):

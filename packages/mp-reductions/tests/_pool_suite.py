@@ -205,6 +205,11 @@ class PoolSuite:
             pool.close()
             pool.join()
 
+    def test_workers_are_daemonic_unless_daemon_false(self, ctx):
+        for daemon in (True, False):
+            with mpr.Pool(1, context=ctx, daemon=daemon) as pool:
+                assert pool.apply(T.child_exitcode) == (None if daemon else 0)  # a daemon may start no process
+
     def test_sigkill_of_a_busy_worker_fails_its_task_only(self, ctx):
         slots = mpr.zeros_shared((1,), np.int64)
         pool = mpr.Pool(2, context=ctx)

@@ -153,3 +153,14 @@ def slow_square_or_block(args):
         os.rename(path + ".tmp", path)
         time.sleep(60)
     return x * x
+
+
+def child_exitcode():
+    """A worker's child's exit code, None when the worker may not start one (a daemonic process)."""
+    try:
+        p = multiprocessing.get_context("fork").Process(target=int)
+        p.start()
+    except AssertionError:  # "daemonic processes are not allowed to have children"
+        return None
+    p.join()
+    return p.exitcode

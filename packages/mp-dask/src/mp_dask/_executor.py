@@ -1,10 +1,10 @@
 """``ProcessPoolExecutor`` on a Dask cluster (adapts ``concurrent/futures/process.py``).
 
 Returns real ``concurrent.futures.Future`` objects, set from the callbacks of
-our tasks (see _tasks.py); ``map`` chunks as the stdlib's does, with its own
-helpers. ``max_workers`` is what ``_max_workers`` reports (Dask decides where
-tasks run); ``max_tasks_per_child`` is checked, and not applied, with a warning
-(see ``_tasks.not_applied``).
+our tasks (see _tasks.py); ``map`` is Python 3.14's on every version, chunks
+and ``buffersize`` (``mp_reductions.executor_map``). ``max_workers`` is what
+``_max_workers`` reports (Dask decides where tasks run); ``max_tasks_per_child``
+is checked, and not applied, with a warning (see ``_tasks.not_applied``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from __future__ import annotations
 import functools
 import threading
 from concurrent import futures
-from concurrent.futures.process import _chain_from_iterable_of_lists, _get_chunks, _process_chunk
+
+from mp_reductions import executor_map
 
 from ._tasks import Tasks, apply_star, not_applied
 
@@ -52,12 +53,8 @@ class ProcessPoolExecutor(futures.Executor):
             else:
                 f.set_exception(value)
 
-    def map(self, fn, *iterables, timeout=None, chunksize=1):
-        if chunksize < 1:
-            raise ValueError("chunksize must be >= 1.")
-        results = super().map(functools.partial(_process_chunk, fn), _get_chunks(*iterables, chunksize=chunksize),
-                              timeout=timeout)
-        return _chain_from_iterable_of_lists(results)
+    def map(self, fn, *iterables, timeout=None, chunksize=1, buffersize=None):
+        return executor_map(self, fn, *iterables, timeout=timeout, chunksize=chunksize, buffersize=buffersize)
 
     def shutdown(self, wait=True, *, cancel_futures=False):
         with self._lock:

@@ -6,10 +6,13 @@ shared-array constructors, Queue / SimpleQueue / JoinableQueue / Pipe whose
 messages carry their arrays' descriptors in the same sendmsg, and a Pool over
 them that survives dead workers. ``shared_allocation()`` and
 ``set_shared_allocation()`` make numpy place large arrays in shared memory
-from birth (NEP 49), so they travel with no copy at all.
+from birth (NEP 49), so they travel with no copy at all. ``executor_map`` is
+Python 3.14's ``ProcessPoolExecutor.map`` (chunks, ``buffersize``) over any
+executor's ``submit``, on every Python version.
 """
 
 from ._alloc import set_shared_allocation, shared_allocation
+from ._chunks import executor_map
 from ._connection import Connection, Pipe
 from ._pool import Pool, WorkerLostError, WorkerStartError, prepare_worker
 from ._queues import JoinableQueue, Queue, SimpleQueue
@@ -35,6 +38,7 @@ __all__ = [
     "WorkerStartError",
     "copies_lost",
     "empty_shared",
+    "executor_map",
     "get_all_sharing_strategies",
     "get_inline_threshold",
     "get_sharing_strategy",

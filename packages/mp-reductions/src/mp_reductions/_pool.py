@@ -505,9 +505,11 @@ class _Slots:
 
     method = None  # the pool's start method (its WorkerStartError names the likely cause by it)
 
-    def __init__(self, processes: int, cache, batches: bool = True, shared_results: bool = True):
+    def __init__(self, processes: int, cache, batches: bool = True, shared_results: bool = True,
+                 daemon: bool = True):
         self.cache = cache
         self.shared_results = shared_results  # the workers' arrays are born in shared memory (Note [shared allocation])
+        self.daemon = daemon  # the workers are daemonic processes (the stdlib Pool's are; the executor's are not)
         self.lock = threading.Lock()  # taken directly where no one waits: a Condition's with costs more
         self.cond = threading.Condition(self.lock)
         self.queues = [SimpleQueue() for _ in range(processes)]
@@ -832,11 +834,14 @@ class Pool(mp_pool.Pool):
     that task's result with :class:`WorkerLostError` and is replaced.
     ``shared_results`` (default True): arrays of 1 MiB or more that the
     workers make are born in shared memory, so results come back with no copy
-    (``shared_allocation``; off under the file_system strategy).
+    (``shared_allocation``; off under the file_system strategy). ``daemon``
+    (default True, as the stdlib's): whether the workers are daemonic
+    processes; with False they may start processes of their own, as
+    ``concurrent.futures``' workers can (arraymp's executor).
     """
 
     def __init__(self, processes=None, initializer=None, initargs=(), maxtasksperchild=None, context=None, *,
-                 shared_results=True):
+                 shared_results=True, daemon=True):
         # The stdlib's __init__ (3.10-3.13 alike), with this class's handlers as the threads' targets.
         self._pool = []
         self._state = mp_pool.INIT
@@ -849,6 +854,7 @@ class Pool(mp_pool.Pool):
         self._initializer = initializer
         self._initargs = initargs
         self._shared_results = bool(shared_results)
+        self._daemon = bool(daemon)
 
         if processes is None:
             processes = getattr(os, "process_cpu_count", os.cpu_count)() or 1
@@ -912,7 +918,7 @@ class Pool(mp_pool.Pool):
     def _setup_queues(self):
         # the stdlib's name: every handler gets it as its inqueue
         self._inqueue = _Slots(self._processes, self._cache, batches=self._maxtasksperchild is None,
-                               shared_results=self._shared_results)
+                               shared_results=self._shared_results, daemon=self._daemon)
         self._inqueue.method = self._ctx.get_start_method()  # named by WorkerStartError
         self._outqueue = SimpleQueue()
         self._quick_put = self._inqueue.put
@@ -952,7 +958,7 @@ class Pool(mp_pool.Pool):
                                                   maxtasksperchild, wrap_exception, group, inqueue.short,
                                                   inqueue.shared_results))
             w.name = w.name.replace("Process", "PoolWorker")
-            w.daemon = True
+            w.daemon = inqueue.daemon
             try:
                 w.start()
             except (ConnectionError, EOFError) as exc:
