@@ -7,9 +7,8 @@ supported version (3.11-3.15): a failure there is a bug to fix, not a test to
 skip. ``test_no_unlisted_private_access`` fails when our source reaches a new
 private name of a stdlib module: add it to PRIVATE (or, better, don't).
 
-Not listed: ``os._exit`` and ``sys._getframe`` (documented), names of ours,
-and ``concurrent.futures.process`` internals (``arraymp/_context.py``'s
-executor and ``mp_dask/_executor.py``: being rewritten not to use them).
+Not listed: ``os._exit`` and ``sys._getframe`` (documented), and names of
+ours. ``concurrent.futures`` has none: the executors use only its public API.
 Undocumented names without an underscore (``multiprocessing.pool.job_counter``,
 ``RUN``/``CLOSE``/``TERMINATE``, ``context.get_spawning_popen``, ...) are not
 private by name and are not listed either.
@@ -237,7 +236,7 @@ def test_replicated_init_sets_the_same_attributes(target):
 
 
 def _stdlib(module: str) -> bool:
-    return module.partition(".")[0] in sys.stdlib_module_names and not module.startswith("concurrent.futures")
+    return module.partition(".")[0] in sys.stdlib_module_names
 
 
 def _private_accesses(path: pathlib.Path):
