@@ -293,8 +293,11 @@ def test_an_error_cancels_the_remaining_work():
 
 def test_timeout_raises_and_kills_the_late_tasks():
     started = mp.zeros_shared(4, np.int64)
+    # the workers started first (they are kept for the next call): under 3.14's forkserver on a loaded machine,
+    # starting them took longer than the timeout, and no task had started when it struck
+    assert len(Parallel(n_jobs=2, backend="arraymp")(delayed(pid)() for _ in range(2))) == 2
     with pytest.raises(multiprocessing.TimeoutError):  # what joblib raises, as for loky
-        Parallel(n_jobs=2, backend="arraymp", timeout=1, batch_size=1)(
+        Parallel(n_jobs=2, backend="arraymp", timeout=2, batch_size=1)(
             delayed(sleep_long)(i, started) for i in range(4)
         )
     sleepers = [int(p) for p in started if p]
