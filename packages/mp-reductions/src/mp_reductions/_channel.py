@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import copyreg
 import errno
-import io
 import os
 import pickle
 import re
@@ -123,8 +122,7 @@ def _pickle(obj, out: Outgoing, head: bytes = b"") -> tuple[Outgoing, memoryview
 # them costs more than pickling a small message), its memo cleared after every message (the memo holds the
 # objects it pickled: arrays must not live on in it). A pickle made while the thread's own is in use (a
 # reducer that sends a message of its own) gets a fresh pair; so does one after ForkingPickler's
-# registrations changed. A writer's BytesIO grown past _REUSE_MAX (shared memory full) is dropped with its message.
-_REUSE_MAX = 1 << 20
+# registrations changed.
 SPILL_AT = 64  # where a spill segment's pickle starts (Note [spills])
 
 
@@ -141,28 +139,31 @@ class _InSegment:
 
 
 class _Writer:
-    """The file a message is pickled into: a BytesIO up to INLINE bytes; past them (unless ``spill`` is off:
-    shared memory is full) a recycled segment, the pickle at SPILL_AT, moved into a larger one when full. A pickle
-    of megabytes is so written once, into memory already faulted in (_recycle Note [recycling]), never into fresh
-    pages nor copied again (Note [spills])."""
+    """The file a message is pickled into. Up to INLINE bytes it keeps what the pickler writes as it is (the pickler
+    hands it a small message whole, as one bytes object, at the end); past them (unless ``spill`` is off: shared
+    memory is full) it moves into a recycled segment, the pickle at SPILL_AT, and into a larger one when full. A
+    pickle of megabytes is so written once, into memory already faulted in (_recycle Note [recycling]), never into
+    fresh pages nor copied again (Note [spills])."""
 
     def __init__(self):
-        self.small = io.BytesIO()
+        self.chunks: list[bytes] = []
+        self.size = 0
         self.seg = self.view = None
         self.pos = 0
         self.spill = True
 
     def reset(self, spill: bool) -> None:
-        self.small.seek(0)
-        self.small.truncate()
-        self.spill = spill
+        self.chunks, self.size, self.spill = [], 0, spill
 
     def write(self, data) -> int:
-        m = _bytes_view(data)
         if self.view is None:
-            if not self.spill or self.small.tell() + m.nbytes <= INLINE:
-                return self.small.write(m)
-            self._move(self.small.tell() + m.nbytes)
+            n = len(data) if type(data) is bytes else _bytes_view(data).nbytes
+            if not self.spill or self.size + n <= INLINE:
+                self.chunks.append(data if type(data) is bytes else bytes(_bytes_view(data)))  # (a bytes is kept)
+                self.size += n
+                return n
+            self._move(self.size + n)
+        m = _bytes_view(data)
         end = self.pos + m.nbytes
         if end > len(self.view):
             self._move(end - SPILL_AT)
@@ -172,12 +173,12 @@ class _Writer:
 
     def _move(self, need: int) -> None:
         """Into a segment of room for ``need`` bytes of pickle and more, what was written carried over."""
-        written = self.pos - SPILL_AT if self.view is not None else self.small.tell()
+        written = self.pos - SPILL_AT if self.view is not None else self.size
         seg = _recycle.take(SPILL_AT + max(2 * written, need + need // 8 + INLINE))
         view = memoryview(seg)
         if self.view is None:
-            with self.small.getbuffer() as old:
-                view[SPILL_AT:SPILL_AT + written] = old
+            view[SPILL_AT:SPILL_AT + written] = b"".join(self.chunks)
+            self.chunks = []
         else:
             view[SPILL_AT:SPILL_AT + written] = self.view[SPILL_AT:self.pos]
             self.abort()
@@ -185,16 +186,17 @@ class _Writer:
 
     def abort(self) -> None:
         """The pickle failed: its segment back to the pool."""
+        self.chunks = []
         if self.view is not None:
             self.view.release()
             _recycle.sent(self.seg)
             self.seg = self.view = None
 
-    def payload(self, keep: bool) -> bytes | memoryview | _InSegment:
-        """What was written; ``keep``: the writer is reused (its BytesIO's bytes copied out, unless grown past
-        _REUSE_MAX)."""
+    def payload(self) -> bytes | _InSegment:
+        """What was written (and nothing kept of it)."""
         if self.view is None:
-            return self.small.getvalue() if keep else self.small.getbuffer()
+            chunks, self.chunks = self.chunks, []
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
         self.view.release()
         spilled = _InSegment(self.seg, self.pos - SPILL_AT)
         self.seg = self.view = None
@@ -216,7 +218,7 @@ class _Reused(threading.local):
 _reused = _Reused()
 
 
-def _pickle_once(obj, out: Outgoing, head: bytes) -> tuple[Outgoing, bytes | memoryview | _InSegment]:
+def _pickle_once(obj, out: Outgoing, head: bytes) -> tuple[Outgoing, bytes | _InSegment]:
     _Pickler.refresh()
     r = _reused
     mine = not r.busy
@@ -232,7 +234,8 @@ def _pickle_once(obj, out: Outgoing, head: bytes) -> tuple[Outgoing, bytes | mem
     writer.reset(spill=not out.copy_inline)
     saved, tls.ctx = tls.ctx, out
     try:
-        writer.write(head)
+        if head:
+            writer.write(head)
         pickler.dump(obj)
         out.finish()
     except BaseException:
@@ -244,10 +247,7 @@ def _pickle_once(obj, out: Outgoing, head: bytes) -> tuple[Outgoing, bytes | mem
         pickler.clear_memo()
         if mine:
             r.busy = False
-    keep = mine and writer.small.tell() <= _REUSE_MAX
-    if mine and not keep:
-        r.key = None  # a new pair next time
-    return out, writer.payload(keep)
+    return out, writer.payload()
 
 
 def _out_of_band(buf) -> bool:

@@ -39,7 +39,6 @@ import shm_manager
 from . import _recycle, _shared
 from ._strategy import get_inline_threshold, get_sharing_strategy
 
-_frombuffer = np.array(0.0).__reduce_ex__(5)[0]  # numpy's rebuild of its protocol-5 reduction (Note [small arrays])
 MAX_FDS = 250  # the kernel passes at most 253 descriptors in one message (SCM_MAX_FD)
 
 
@@ -279,13 +278,9 @@ def _readonly(arr: np.ndarray) -> bool:
 
 def reduce_ndarray(arr: np.ndarray):
     """The reduction of a numpy array (registered for ``numpy.ndarray`` itself)."""
-    if type(tls.ctx) is Outgoing and arr.base is None and not _shared.owned and arr.nbytes < get_inline_threshold():
-        # small, numpy's own memory: in no segment (Note [small arrays])
-        if arr.flags.writeable and arr.dtype.isnative:
-            return arr.__reduce__()
-        reduced = arr.__reduce_ex__(5)
-        if reduced[0] is _frombuffer:
-            return reduced
+    if type(tls.ctx) is Outgoing and arr.base is None and not _shared.owned and arr.nbytes < get_inline_threshold() \
+            and not arr.dtype.hasobject:
+        return _inline(arr)  # small, numpy's own memory: in no segment (Note [small arrays])
     if arr.dtype.hasobject:
         return arr.__reduce__()
     found = _shared.segment_of(arr)
@@ -302,12 +297,7 @@ def reduce_ndarray(arr: np.ndarray):
         # small, or shared memory is full (_channel._pickle), or on a channel we do not own whose sender may be
         # gone before the receiver asks for the descriptor (Note [channels we do not own]): a copy in the
         # pickle, as the stdlib sends it
-        if outgoing and (arr.flags.c_contiguous or arr.flags.f_contiguous):
-            reduced = arr.__reduce_ex__(5)  # Note [small arrays]
-            if reduced[0] is _frombuffer:
-                return reduced
-        order = "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C"
-        return rebuild_inline, (arr.tobytes(order), _dtype(arr.dtype), arr.shape, order, readonly)
+        return _inline(arr)
     if found is None:
         if outgoing:
             ref, offset = ctx.copy_ref(arr)
@@ -333,14 +323,17 @@ def reduce_ndarray(arr: np.ndarray):
     return rebuild_ndarray, (*args, block)
 
 
-# Note [small arrays]: on our channels a small array that is in no segment goes as numpy itself reduces it, in C,
-# at the cost of the stdlib's pickle of it: a message of a thousand small arrays costs what the stdlib's does.
-# A writable one in native byte order goes in numpy's protocol-4 form (the stdlib's, the cheapest to rebuild);
-# one that is read-only or in the other byte order (which that form loses) in its protocol-5 form: its bytes as a
-# PickleBuffer, which Outgoing.out_of_band keeps in the pickle, rebuilt over them with both kept (read-only:
-# bytes). Elsewhere (protocol 4), and for the arrays numpy reduces otherwise (neither C nor Fortran contiguous,
-# 0-byte items, datetimes), rebuild_inline. Under the shared allocator (_alloc) a small array numpy owns may be
-# born shared: reduce_ndarray's general path asks segment_of.
+def _inline(arr: np.ndarray) -> tuple:
+    order = "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C"
+    return rebuild_inline, (arr.tobytes(order), _dtype(arr.dtype), arr.shape, order, _readonly(arr))
+
+
+# Note [small arrays]: a small array travels in the pickle (rebuild_inline: its bytes, its dtype's string, byte
+# order and read-only flag kept), every one of a message: a message of a thousand small arrays is pickled once, at
+# about the cost of the stdlib's pickle of it (it was pickled a second time, each of them put in shared memory,
+# when its pickle passed INLINE bytes: it is spilled now, Note [spills]). On our channels one that numpy owns (no
+# base) in a process with no shared allocation (_alloc: ``_shared.owned`` empty) is in no segment: it skips the
+# search for one (segment_of, the moves of _alloc Note [moving results]).
 def rebuild_inline(data: bytes, dtype, shape, order: str, readonly: bool) -> np.ndarray:
     """Rebuild a small array sent inside the pickle, byte order and read-only flag kept (numpy's own
     protocol-4 reduction, which the stdlib uses, loses both)."""
