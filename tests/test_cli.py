@@ -160,3 +160,21 @@ def test_bench_overhead_prints_each_workload_with_its_ratio(capsys, monkeypatch)
         (line,) = [line for line in out.splitlines() if line.startswith(f"| {row} |")]
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert len(cells) == 4 and float(cells[3]) > 0, line
+
+
+def test_bench_payloads_prints_each_row_with_its_ratios():
+    # the short form of `python -m arraymp bench --payloads`: one small row, one start method; the form, not figures
+    out = arraymp("bench", "--payloads", "--quick", "--repeat", "1", "--methods", "fork", "--rows", "tuple")
+    assert out.returncode == 0, out.stderr
+    (line,) = [line for line in out.stdout.splitlines() if line.startswith("tuple of a few small objects")]
+    queue, cpu, pool, peak = line.split()[-4:]
+    assert float(queue) > 0 and float(cpu) > 0 and float(pool) > 0 and "/" in peak, line
+
+
+def test_bench_payloads_skips_a_row_whose_package_does_not_import(monkeypatch):
+    from arraymp._payloads import available
+
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow raises ImportError
+    rows, skipped = available(["pyarrow Table 64 MB", "str 16 MiB"])
+    assert rows == ["str 16 MiB"]
+    assert skipped == ["pyarrow Table 64 MB: skipped, pyarrow does not import (pip install pyarrow)"]

@@ -318,7 +318,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m arraymp bench") -
     parser.add_argument("--overhead", action="store_true",
                         help="instead: the per-task and per-message cost of Pool, executor and Queue against the "
                              "stdlib's, under fork, spawn and forkserver (about 2 minutes)")
+    parser.add_argument("--payloads", action="store_true",
+                        help="instead: any payload (bytes, strings, dicts of small arrays, Arrow tables, DataFrames) "
+                             "through Queue and Pool.map results against the stdlib, under fork, spawn and forkserver")
+    parser.add_argument("--methods", default="fork,spawn,forkserver",
+                        help="start methods of --payloads, comma-separated")
+    parser.add_argument("--rows", default=None, help="--payloads: only the payloads whose name contains this")
     args = parser.parse_args(argv)
+    if args.payloads:
+        from ._payloads import main as payloads
+
+        return payloads(repeat=args.repeat, quick=args.quick, methods=args.methods.split(","), only=args.rows)
     if args.overhead:
         from ._overhead import main as overhead
 

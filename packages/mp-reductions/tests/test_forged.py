@@ -610,3 +610,69 @@ def test_a_replayed_named_handle_is_named_as_a_cause():
         assert (a == 1).all()  # the sender's array itself is untouched
     finally:
         mpr.set_sharing_strategy("file_descriptor")
+
+
+# ------------------------------------------------------------------------ spilled messages (_channel Note [spills])
+def spill_segment(nbuf: int, length: int, entries=(), pickled: bytes = b"", pieces=(), *, table: int = 512,
+                  at: int = 64, size: int = 4096) -> int:
+    """A memfd segment laid out as a spill: count, the table's offset, the pickle's offset and length, the pickle at
+    ``at``, the buffer table at ``table``, and ``pieces`` ((offset, bytes)) where the buffers lie."""
+    data = bytearray(size)
+    data[at:at + len(pickled)] = pickled
+    struct.pack_into("<qqqq", data, 0, nbuf, table, at, length)
+    for i, (offset, n) in enumerate(entries):
+        struct.pack_into("<qq", data, table + 16 * i, offset, n)
+    for offset, piece in pieces:
+        data[offset:offset + len(piece)] = piece
+    return memfd_with(header(size) + bytes(data))
+
+
+def test_forged_spills_raise_and_keep_no_descriptor(receiver):
+    """A spilled message (its pickle and out-of-band buffers in a segment) whose table does not fit the segment, whose
+    count is negative, or whose buffers are not exactly those its pickle names raises SegmentError; the receiver
+    lives, keeps no descriptor, and reads a well-formed one."""
+    fds_dir = f"/proc/{receiver.proc.pid}/fd"
+    before = len(os.listdir(fds_dir))
+    arr = np.arange(8.0)
+    one = pickle.dumps(arr, 5, buffer_callback=lambda b: False)  # names one out-of-band buffer
+    two = pickle.dumps([arr, arr + 1], 5, buffer_callback=lambda b: False)  # names two
+    data = arr.tobytes()
+    cases = [
+        (spill_segment(0, 1 << 40), "pickle of 1099511627776 bytes"),  # the pickle past the segment
+        (spill_segment(0, 0), "pickle of 0 bytes"),
+        (spill_segment(0, len(one), pickled=one, at=16), "at 16 of"),  # the pickle over the header
+        (spill_segment(-1, len(one), pickled=one), "-1 buffers"),  # a negative count
+        (spill_segment(1 << 60, len(one), pickled=one), "buffers"),  # a count past the segment
+        (spill_segment(1, len(one), [(1024, 64)], one, table=16), "listed at 16"),  # the table over the header
+        (spill_segment(1, len(one), [], one, table=1 << 40), "listed at 1099511627776"),  # past the segment
+        (spill_segment(1, len(one), [(1024, 1 << 40)], one), "not inside"),  # a buffer past the segment
+        (spill_segment(1, len(one), [(-8, 64)], one), "not inside"),
+        (spill_segment(0, len(one), [], one), "more out-of-band buffers than the 0"),  # fewer than the pickle's
+        (spill_segment(1, len(two), [(1024, 64)], two, [(1024, data)]), "more out-of-band buffers than the 1"),
+        (spill_segment(2, len(one), [(1024, 64), (2048, 64)], one, [(1024, data)]),
+         "names 1 out-of-band buffers, its message carries 2"),
+    ]
+    good = spill_segment(1, len(one), [(1024, 64)], one, [(1024, data)])
+    try:
+        for fd, what in cases:
+            for kind in (b"OP", b"OH"):
+                shm_core.send_fds(receiver.q._writer._sock, [kind], [fd])
+                got = receiver.answer()
+                assert got[0] == "error" and got[3] and what in got[2], (what, kind, got)
+        for frame in ([b"OP"], [b"OX"]):  # no descriptor, an unknown flag
+            shm_core.send_fds(receiver.q._writer._sock, frame, [])
+            got = receiver.answer()
+            assert got[0] == "error" and got[3] and "fits no kind" in got[2], (frame, got)
+        shm_core.send_fds(receiver.q._writer._sock, [b"OP"], [good])
+        assert receiver.answer() == ("ok", "<f8", (8,), 28.0)
+        receiver.takes_a_good_message()
+        # a segment refused only once unpickled was mapped, and kept for its next arrival as any received one:
+        # for the recycling's idle time (0.2 s here, conftest)
+        deadline = time.monotonic() + 10
+        while len(os.listdir(fds_dir)) > before + 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(os.listdir(fds_dir)) <= before + 1
+    finally:
+        for fd, _ in cases:
+            os.close(fd)
+        os.close(good)

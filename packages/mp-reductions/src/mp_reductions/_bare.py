@@ -105,6 +105,7 @@ class _Handle:
 
     __slots__ = ("block", "fds", "keep")
     handles = True
+    buffers = ()  # never out-of-band ones
 
     def __init__(self, seg: shm_core.Segment, block: int | None):
         self.fds = [_shared.fd_for_sending(seg, dup=True)]  # (raises when it cannot be re-opened: nothing taken)

@@ -8,8 +8,10 @@ Wire format of one message::
 
     b"P" + pickle                      the pickle inline (up to INLINE bytes), naming no shared memory
     b"H" + pickle                      the same, naming shared memory (handles)
+    b"O" + b"P" or b"H"                the pickle and its out-of-band buffers are in a recycled segment, the
+                                       last descriptor (Note [spills])
     b"S" + 8-byte length [+ 2-byte n]  the pickle is in a memfd, the last descriptor (in the last n, one
-                                       after the other: Note [spilled pickles])
+                                       after the other: Note [spilled pickles]), where shared memory is full
 
 with the descriptors of the arrays' segments as SCM_RIGHTS in the same sendmsg
 (a message that is one array alone has a header in place of the pickle: _bare).
@@ -23,9 +25,9 @@ from __future__ import annotations
 import collections
 import copyreg
 import errno
-import io
 import os
 import pickle
+import re
 import resource
 import socket
 import struct
@@ -35,9 +37,9 @@ from multiprocessing.reduction import ForkingPickler
 import numpy as np
 import shm_core
 
-from . import _nofile
+from . import _nofile, _recycle, _shared
 from ._bare import BARE_KINDS, NOTHING, decode, encode
-from ._reductions import MAX_FDS, CopyMiss, Incoming, Outgoing, tls
+from ._reductions import MAX_FDS, CopyMiss, Incoming, Outgoing, _received, tls
 
 INLINE = 64 * 1024
 SPIN = int(os.environ.get("ARRAYMP_QUEUE_SPIN", "50"))  # see _queues Note [spin]
@@ -108,7 +110,7 @@ def _pickle(obj, out: Outgoing, head: bytes = b"") -> tuple[Outgoing, memoryview
         try:
             return _pickle_once(obj, out, head)
         except CopyMiss:  # the pooled copy segment was too small: once more, with a new one
-            return _pickle_once(obj, Outgoing(out.share_all, pooled=False, moves=out.moves), head)
+            return _pickle_once(obj, Outgoing(pooled=False, moves=out.moves), head)
     except shm_core.SharedMemoryFullError:
         # No room for the copies of the message's unshared arrays (all in one segment): they travel in the
         # pickle instead, as the stdlib sends them (a Pool's chunk of results each of which would fit, a small
@@ -116,43 +118,128 @@ def _pickle(obj, out: Outgoing, head: bytes = b"") -> tuple[Outgoing, memoryview
         return _pickle_once(obj, Outgoing(copy_inline=True, moves=out.moves), head)
 
 
-# Note [reused pickler]: each thread keeps one _Pickler and its BytesIO for the messages it pickles (making
+# Note [reused pickler]: each thread keeps one _Pickler and its _Writer for the messages it pickles (making
 # them costs more than pickling a small message), its memo cleared after every message (the memo holds the
 # objects it pickled: arrays must not live on in it). A pickle made while the thread's own is in use (a
 # reducer that sends a message of its own) gets a fresh pair; so does one after ForkingPickler's
-# registrations changed. A buffer grown past _REUSE_MAX is dropped with its message.
-_REUSE_MAX = 1 << 20
+# registrations changed.
+SPILL_AT = 64  # where a spill segment's pickle starts (Note [spills])
+
+
+class _InSegment:
+    """A pickle written into a spill segment at SPILL_AT: ``length`` bytes of ``seg`` (Note [spills])."""
+
+    __slots__ = ("length", "seg")
+
+    def __init__(self, seg: shm_core.Segment, length: int):
+        self.seg, self.length = seg, length
+
+    def __len__(self) -> int:
+        return self.length
+
+
+class _Writer:
+    """The file a message is pickled into. Up to INLINE bytes it keeps what the pickler writes as it is (the pickler
+    hands it a small message whole, as one bytes object, at the end); past them (unless ``spill`` is off: shared
+    memory is full) it moves into a recycled segment, the pickle at SPILL_AT, and into a larger one when full. A
+    pickle of megabytes is so written once, into memory already faulted in (_recycle Note [recycling]), never into
+    fresh pages nor copied again (Note [spills])."""
+
+    def __init__(self):
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.seg = self.view = None
+        self.pos = 0
+        self.spill = True
+
+    def reset(self, spill: bool) -> None:
+        self.chunks, self.size, self.spill = [], 0, spill
+
+    def write(self, data) -> int:
+        if self.view is None:
+            n = len(data) if type(data) is bytes else _bytes_view(data).nbytes
+            if not self.spill or self.size + n <= INLINE:
+                self.chunks.append(data if type(data) is bytes else bytes(_bytes_view(data)))  # (a bytes is kept)
+                self.size += n
+                return n
+            self._move(self.size + n)
+        m = _bytes_view(data)
+        end = self.pos + m.nbytes
+        if end > len(self.view):
+            self._move(end - SPILL_AT)
+        self.view[self.pos:end] = m
+        self.pos = end
+        return m.nbytes
+
+    def _move(self, need: int) -> None:
+        """Into a segment of room for ``need`` bytes of pickle and more, what was written carried over."""
+        written = self.pos - SPILL_AT if self.view is not None else self.size
+        seg = _recycle.take(SPILL_AT + max(2 * written, need + need // 8 + INLINE))
+        view = memoryview(seg)
+        if self.view is None:
+            view[SPILL_AT:SPILL_AT + written] = b"".join(self.chunks)
+            self.chunks = []
+        else:
+            view[SPILL_AT:SPILL_AT + written] = self.view[SPILL_AT:self.pos]
+            self.abort()
+        self.seg, self.view, self.pos = seg, view, SPILL_AT + written
+
+    def abort(self) -> None:
+        """The pickle failed: its segment back to the pool."""
+        self.chunks = []
+        if self.view is not None:
+            self.view.release()
+            _recycle.sent(self.seg)
+            self.seg = self.view = None
+
+    def payload(self) -> bytes | _InSegment:
+        """What was written (and nothing kept of it)."""
+        if self.view is None:
+            chunks, self.chunks = self.chunks, []
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        self.view.release()
+        spilled = _InSegment(self.seg, self.pos - SPILL_AT)
+        self.seg = self.view = None
+        return spilled
+
+
+def _bytes_view(data) -> memoryview:
+    m = memoryview(data)
+    if m.format == "B" and m.ndim == 1:
+        return m
+    return data.raw() if isinstance(data, pickle.PickleBuffer) else m.cast("B")
 
 
 class _Reused(threading.local):
-    key = pickler = buf = None
+    key = pickler = writer = None
     busy = False
 
 
 _reused = _Reused()
 
 
-def _pickle_once(obj, out: Outgoing, head: bytes) -> tuple[Outgoing, bytes | memoryview]:
+def _pickle_once(obj, out: Outgoing, head: bytes) -> tuple[Outgoing, bytes | _InSegment]:
     _Pickler.refresh()
     r = _reused
     mine = not r.busy
     if not mine:
-        buf = io.BytesIO()
-        pickler = _Pickler(buf, 4)
+        writer = _Writer()
+        pickler = _Pickler(writer, 5, buffer_callback=_out_of_band)
     else:
         if r.key is not _Pickler._key:
-            r.buf = io.BytesIO()
-            r.pickler, r.key = _Pickler(r.buf, 4), _Pickler._key
-        buf, pickler = r.buf, r.pickler
-        buf.seek(0)
-        buf.truncate()
+            r.writer = _Writer()
+            r.pickler, r.key = _Pickler(r.writer, 5, buffer_callback=_out_of_band), _Pickler._key
+        writer, pickler = r.writer, r.pickler
         r.busy = True
-    buf.write(head)
+    writer.reset(spill=not out.copy_inline)
     saved, tls.ctx = tls.ctx, out
     try:
+        if head:
+            writer.write(head)
         pickler.dump(obj)
         out.finish()
     except BaseException:
+        writer.abort()
         out.abort()
         raise
     finally:
@@ -160,11 +247,11 @@ def _pickle_once(obj, out: Outgoing, head: bytes) -> tuple[Outgoing, bytes | mem
         pickler.clear_memo()
         if mine:
             r.busy = False
-    if not mine or buf.tell() > _REUSE_MAX:  # a buffer that goes with its message: no copy
-        if mine:
-            r.key = None  # a new pair next time
-        return out, buf.getbuffer()
-    return out, buf.getvalue()
+    return out, writer.payload()
+
+
+def _out_of_band(buf) -> bool:
+    return tls.ctx.out_of_band(buf)
 
 
 # Note [plain messages]: most messages name no shared memory (a Pool's tasks and results, small arrays):
@@ -194,6 +281,133 @@ def _spill(payload, room: int) -> list[shm_core.Segment]:
     return spills
 
 
+# Note [spills]: a message whose pickle is over INLINE bytes, or that hands out-of-band buffers (protocol 5's
+# pickle.PickleBuffer: numpy's, pyarrow's, any type's whose __reduce_ex__(5) makes them) of the inline threshold
+# or more, goes in one recycled segment (_recycle Note [recycling]: already faulted in on both sides), carried as
+# the message's last descriptor::
+#
+#     | nbuf, table at, pickle at, pickle length | pickle (at SPILL_AT) | table: nbuf x (offset, length) |
+#     | buffer 0 | buffer 1 | ...
+#
+# The sender pickles into it (_Writer: past INLINE bytes the pickle moves from its BytesIO into a segment) and
+# copies each buffer into it once, then counts the message in the segment's views word; the
+# receiver views the segment, gives the message's count back (unpack, _unspill), unpickles from the mapping
+# where it lies (no copy into bytes) and hands pickle the buffers as views of the mapping: an object rebuilt
+# over them (a numpy array, an Arrow buffer) holds the mapping, counted in the views word, so the segment
+# goes back to its sender's pool only once every such object is gone; pickle makes read-only the buffers the
+# sender's were. Every field is read from another process: a table that does not fit the segment, a negative
+# count, or buffers that are not exactly those the pickle names are a SegmentError. Received, such a message
+# is a memoryview of the segment (``spilled``), which ``loads`` tells apart from every other kind. Where
+# shared memory is full, the buffers go in the pickle and the pickle in fresh memfds (Note [spilled pickles]).
+_SPILL = struct.Struct("<qqqq")  # out-of-band buffers, the table's offset, the pickle's offset and length
+_ENTRY = struct.Struct("<qq")  # a buffer's offset and length
+
+
+def _spill_recycled(out: Outgoing, payload) -> tuple[bytes, Outgoing] | None:
+    """Lay out the spill of ``payload`` (bytes, or an _InSegment: the pickle written into its segment already) and
+    ``out``'s buffers in a recycled segment that ``out`` (a new one for NOTHING) carries; the message's kind bytes
+    and its Outgoing, or None where shared memory is full."""
+    raws = [buf.raw() for buf in out.buffers]
+    length = len(payload)
+    table = _shared._aligned(SPILL_AT + length)
+    entries, end = [], _shared._aligned(table + _ENTRY.size * len(raws))
+    for raw in raws:
+        entries.append((end, raw.nbytes))
+        end = _shared._aligned(end + raw.nbytes)
+    seg = payload.seg if type(payload) is _InSegment else None
+    if seg is None or seg.size < end:
+        try:
+            new = _recycle.take(end)
+        except shm_core.SharedMemoryFullError:
+            if seg is not None:
+                _recycle.sent(seg)
+            return None
+        except BaseException:
+            if seg is not None:
+                _recycle.sent(seg)
+            out.abort()
+            raise
+        with memoryview(new) as view:
+            if seg is None:
+                view[SPILL_AT:SPILL_AT + length] = payload
+            else:
+                with memoryview(seg) as old:
+                    view[SPILL_AT:SPILL_AT + length] = old[SPILL_AT:SPILL_AT + length]
+                _recycle.sent(seg)
+        seg = new
+    try:
+        with memoryview(seg) as view:
+            _SPILL.pack_into(view, 0, len(raws), table, SPILL_AT, length)
+            for i, ((offset, n), raw) in enumerate(zip(entries, raws, strict=True)):
+                _ENTRY.pack_into(view, table + i * _ENTRY.size, offset, n)
+                view[offset:offset + n] = raw
+        if out is NOTHING:
+            out = Outgoing()
+        kind = b"OH" if out.handles else b"OP"
+        out.spill(seg)
+    except BaseException:
+        _recycle.sent(seg)
+        out.abort()
+        raise
+    return kind, out
+
+
+def _unspill(handles: bool, fds: list[int]) -> tuple[memoryview, list[int] | None]:
+    """The pickle of a spilled message (a view of its segment, the last of ``fds``) and its other descriptors."""
+    try:
+        seg = _shared.attach_fd(fds.pop(), None, owned=True)
+        view = memoryview(seg)
+        nbuf, table, at, length = _SPILL.unpack_from(view) if len(view) >= _SPILL.size else (-1, 0, 0, 0)
+        if not (0 <= nbuf and _SPILL.size <= table and _ENTRY.size * nbuf <= len(view) - table
+                and _SPILL.size <= at and 0 < length <= len(view) - at):
+            raise shm_core.SegmentError(f"spilled message says {nbuf} buffers listed at {table} and a pickle of "
+                                        f"{length} bytes at {at} of a {len(view)}-byte segment (forged or corrupted "
+                                        "message)")
+    except BaseException:
+        _close(fds)
+        raise
+    _received(seg)  # (a refused one is not kept)
+    seg.fetch_add(_recycle.REFS, -1)  # the message's count, now that we view it (Note [spills])
+    if not handles:
+        _close(fds)
+    return view[at:at + length], fds if handles else None
+
+
+def spilled(data) -> bool:
+    """``data`` (a received message's pickle) lies in a spill segment (Note [spills])."""
+    return type(data) is memoryview and type(data.obj) is shm_core.Segment
+
+
+def _loads_spilled(data: memoryview):
+    """Unpickle a spilled message, its out-of-band buffers views of the mapping (Note [spills])."""
+    view = memoryview(data.obj)
+    nbuf, table = _SPILL.unpack_from(view)[:2]  # (read again: checked by _unspill, but the sender may write)
+    if not (0 <= nbuf and _SPILL.size <= table and _ENTRY.size * nbuf <= len(view) - table):
+        raise shm_core.SegmentError(f"spilled message says {nbuf} buffers listed at {table} (forged or corrupted "
+                                    "message)")
+    buffers = []
+    for i in range(nbuf):
+        offset, n = _ENTRY.unpack_from(view, table + i * _ENTRY.size)
+        if not (0 <= offset and 0 <= n <= len(view) - offset):
+            raise shm_core.SegmentError(f"out-of-band buffer {i} of {n} bytes at {offset} is not inside the "
+                                        f"{len(view)}-byte segment (forged or corrupted message)")
+        buffers.append(view[offset:offset + n])
+    used = [0]
+
+    def handed():
+        for buf in buffers:
+            used[0] += 1
+            yield buf
+        raise shm_core.SegmentError(f"the pickle names more out-of-band buffers than the {nbuf} its message "
+                                    "carries (forged or corrupted message)")
+
+    obj = pickle.loads(data, buffers=handed())
+    if used[0] != nbuf:
+        raise shm_core.SegmentError(f"the pickle names {used[0]} out-of-band buffers, its message carries {nbuf} "
+                                    "(forged or corrupted message)")
+    return obj
+
+
 class Packet:
     """One pickled message ready to send: its buffers, descriptors and keep-alives.
 
@@ -209,13 +423,17 @@ class Packet:
             payload, out = bare
         elif raw is None:
             out, payload = _pickle(obj, Outgoing(moves=moves), head)
-            if len(payload) > INLINE and out.inlined and not out.copy_inline:
-                # Too big for one socket message: rather than spill the whole
-                # pickle, send its small arrays by shared memory too.
-                out.abort()
-                out, payload = _pickle(obj, Outgoing(share_all=True, moves=moves), head)
         else:
             out, payload = NOTHING, raw
+        if len(payload) > INLINE or out.buffers:
+            spill = _spill_recycled(out, payload)  # Note [spills]
+            if spill is not None:
+                kind, self.out = spill
+                self.fds, self.keep, self.buffers = self.out.fds, self.out.keep, [kind]
+                return
+            if out.buffers or type(payload) is _InSegment:  # shared memory is full: all in the pickle, in memfds
+                out.abort()
+                out, payload = _pickle(obj, Outgoing(copy_inline=True, moves=moves), head)
         self.out = out
         self.fds, self.keep = out.fds, out.keep
         if len(payload) <= INLINE:
@@ -267,7 +485,15 @@ def send_stream(sock: socket.socket, obj=None, *, raw=None) -> None:
         payload, out = bare
     else:
         out, payload = _pickle(obj, Outgoing()) if raw is None else (NOTHING, raw)
-    head = _HEAD.pack(len(payload), ord("H" if out.handles else "P"))
+    kind = b"H" if out.handles else b"P"
+    if len(payload) > INLINE or out.buffers:
+        spill = _spill_recycled(out, payload)
+        if spill is not None:  # Note [spills]
+            kind, payload, out = spill[0][:1], spill[0][1:], spill[1]
+        elif out.buffers or type(payload) is _InSegment:  # shared memory is full: all in the pickle
+            out.abort()
+            out, payload = _pickle(obj, Outgoing(copy_inline=True))
+    head = _HEAD.pack(len(payload), kind[0])
     try:
         sent = shm_core.send_fds(sock, [head, payload], out.fds)
         if sent < len(head):  # a large message: the rest goes without descriptors
@@ -315,6 +541,8 @@ def recv_stream(sock: socket.socket) -> tuple[bytearray, list[int] | None]:
         for fd in fds:
             os.close(fd)
         raise
+    if kind == ord("O") and data in (b"H", b"P") and fds:
+        return _unspill(data == b"H", fds)
     return data, (fds if kind == ord("H") else None)
 
 
@@ -339,6 +567,8 @@ def unpack(data: bytes, fds: list[int]) -> tuple[bytes | memoryview, list[int]]:
     kind = data[:1]
     if kind == b"H":
         return memoryview(data)[1:], fds
+    if kind == b"O" and data[1:] in (b"H", b"P") and fds:
+        return _unspill(data[1:] == b"H", fds)
     if kind == b"S" and len(data) in (9, 11) and fds:
         n = int.from_bytes(data[1:9], "little")
         count = int.from_bytes(data[9:11], "little") if len(data) == 11 else 1
@@ -382,7 +612,7 @@ def _close(fds: list[int]) -> None:
 # a named reference (_reductions): a message without it names no named segment (one
 # with it may only hold the string "n": then the check is merely not needed).
 HEADROOM = 3
-_NAMED = b"\x8c\x01n"
+_NAMED = re.compile(re.escape(b"\x8c\x01n"))
 
 
 def check_openable(data, fds: list[int] | None, fd: int) -> None:
@@ -409,8 +639,8 @@ def _raising_nofile(call, *args):
 
 
 def _names_named(data) -> bool:
-    # (a bare array names none; the bytes under a view: a memoryview's ``in`` compares its items, never a substring)
-    return not (data and data[0] in BARE_KINDS) and _NAMED in (data.obj if isinstance(data, memoryview) else data)
+    # (a bare array names none; a search, not ``in``: a memoryview's ``in`` compares its items, never a substring)
+    return not (data and data[0] in BARE_KINDS) and _NAMED.search(data) is not None
 
 
 def loads_kept(msg: tuple, pending: collections.deque, sock: socket.socket):
@@ -427,12 +657,13 @@ def loads_kept(msg: tuple, pending: collections.deque, sock: socket.socket):
 def loads(data: bytes, fds: list[int] | None):
     if data and data[0] in BARE_KINDS:  # Note [bare arrays]
         return decode(data, fds)
+    load = _loads_spilled if spilled(data) else pickle.loads
     if fds is None:
-        return pickle.loads(data)
+        return load(data)
     inc = Incoming(fds)
     saved, tls.ctx = tls.ctx, inc
     try:
-        return pickle.loads(data)
+        return load(data)
     finally:
         tls.ctx = saved
         inc.close()

@@ -152,7 +152,6 @@ import array
 import collections
 import fcntl
 import gc
-import io
 import logging
 import os
 import pickle
@@ -275,14 +274,39 @@ def _send(sock, head, obj) -> None:
 
 def _split(data, fds):
     """A message as (head, the rest's pickle, its descriptors): only the head is unpickled."""
-    f = io.BytesIO(data)
+    f = _Reader(data)
     try:
         head = pickle.Unpickler(f).load()
     except BaseException:
         for fd in fds or ():
             os.close(fd)
         raise
-    return head, memoryview(data)[f.tell():], fds
+    return head, f.view[f.pos:], fds
+
+
+class _Reader:
+    """A file over a message's bytes for pickle.Unpickler, which reads the head alone: io.BytesIO would copy
+    them all (a spilled result's pickle: megabytes)."""
+
+    def __init__(self, data):
+        self.view, self.pos = memoryview(data), 0
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self.view) if n < 0 else self.pos + n
+        out = bytes(self.view[self.pos:end])
+        self.pos += len(out)
+        return out
+
+    def readinto(self, buf) -> int:
+        n = min(len(buf), len(self.view) - self.pos)
+        buf[:n] = self.view[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+    def readline(self) -> bytes:
+        rest = self.view[self.pos:]
+        end = bytes(rest[:4096]).find(b"\n")  # (heads are a few bytes: a longer line is a forged message's)
+        return self.read(min(len(rest), 4096) if end < 0 else end + 1)
 
 
 def _drain(q) -> None:

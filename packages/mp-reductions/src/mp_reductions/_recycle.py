@@ -1,4 +1,5 @@
-"""Recycling the segments that carry copies of unshared arrays.
+"""Recycling the segments that carry copies of unshared arrays, and the spills of large pickles and of
+protocol-5 buffers (_channel Note [spills]).
 
 Note [recycling]: a fresh tmpfs segment costs a page fault per 4 KiB on first
 touch (copying into one runs at ~0.6 GB/s here, into a faulted one at ~9 GB/s),

@@ -49,7 +49,6 @@ class Outgoing:
     below: they are made at its first reference (``_start``), until then empty tuples of the class.
     """
 
-    inlined = 0  # arrays that went inline
     handles = False  # the message names shared memory (the receiver needs an Incoming)
     fds: list[int] = ()  # dups, owned here (Note [descriptors] in _shared): closed once sent
     keep: list = ()  # objects whose descriptors or counts must live until sent
@@ -60,12 +59,12 @@ class Outgoing:
     _copy_size = 0
     _copy_ref = None
     recycled: shm_core.Segment | None = None  # the message's copy segment, back to the pool once sent
+    spilled: shm_core.Segment | None = None  # its pickle and out-of-band buffers (_channel Note [spills])
+    buffers: list = ()  # the out-of-band buffers (pickle.PickleBuffer) the pickle names, in order
 
-    def __init__(self, share_all: bool = False, pooled: bool = True, copy_inline: bool = False,
-                 moves: frozenset = frozenset()):
-        self.share_all = share_all  # no array inline: the message would not fit the socket otherwise
+    def __init__(self, pooled: bool = True, copy_inline: bool = False, moves: frozenset = frozenset()):
         self.pooled = pooled  # file_system: the copy may go into a pooled segment chosen at the first copy
-        self.copy_inline = copy_inline  # unshared arrays inline whatever their size: shared memory is full
+        self.copy_inline = copy_inline  # unshared arrays and buffers inline whatever their size: shared memory is full
         self.moves = moves  # ids of born-private arrays it moves as handles (_alloc Note [moving results])
 
     def _start(self) -> None:
@@ -126,6 +125,32 @@ class Outgoing:
                 self.fds.append(-1)  # filled by finish()
         return self._copy_ref, offset
 
+    def out_of_band(self, buf) -> bool:
+        """The pickler's ``buffer_callback``: False (out of band, into the message's spill) for a contiguous
+        buffer of at least the inline threshold, True (in the pickle) for any other."""
+        if self.copy_inline:
+            return True
+        try:
+            n = buf.raw().nbytes
+        except BufferError:  # not contiguous: in band, where pickle raises as the stdlib's does
+            return True
+        if n < get_inline_threshold():
+            return True
+        if not self.buffers:
+            self.buffers = []
+        self.buffers.append(buf)
+        return False
+
+    def spill(self, seg: shm_core.Segment) -> int:
+        """The message carries ``seg`` (a recycled segment holding its pickle and out-of-band buffers) as its
+        last descriptor, counted in flight; it goes back to the pool once sent. Returns its descriptor's index."""
+        self._start()
+        self.spilled = seg
+        self.fds.append(_shared.fd_for_sending(seg, dup=True))
+        self.keep.append(seg)
+        self._count_in_flight(seg)
+        return len(self.fds) - 1
+
     def finish(self) -> None:
         """Create the message's segment and copy the arrays into it."""
         if not self._copies:
@@ -156,9 +181,13 @@ class Outgoing:
         self.keep.clear()
         self.in_flight.clear()
         self.blocks.clear()
-        if self.recycled is not None:
-            _recycle.sent(self.recycled)
-            self.recycled = None
+        self._pool_back()
+
+    def _pool_back(self) -> None:
+        for seg in (self.recycled, self.spilled):
+            if seg is not None:
+                _recycle.sent(seg)
+        self.recycled = self.spilled = None
 
     def abort(self) -> None:
         """The message will not be sent: give back the in-flight counts taken."""
@@ -175,9 +204,7 @@ class Outgoing:
         for seg in self.in_flight:
             seg.fetch_add(_recycle.REFS, -1)
         self.in_flight.clear()
-        if self.recycled is not None:
-            _recycle.sent(self.recycled)
-            self.recycled = None
+        self._pool_back()
 
     def _close_fds(self) -> None:
         for fd in self.fds:
@@ -251,6 +278,9 @@ def _readonly(arr: np.ndarray) -> bool:
 
 def reduce_ndarray(arr: np.ndarray):
     """The reduction of a numpy array (registered for ``numpy.ndarray`` itself)."""
+    if type(tls.ctx) is Outgoing and arr.base is None and not _shared.owned and arr.nbytes < get_inline_threshold() \
+            and not arr.dtype.hasobject:
+        return _inline(arr)  # small, numpy's own memory: in no segment (Note [small arrays])
     if arr.dtype.hasobject:
         return arr.__reduce__()
     found = _shared.segment_of(arr)
@@ -262,16 +292,12 @@ def reduce_ndarray(arr: np.ndarray):
     popen = None if outgoing else mp_context.get_spawning_popen()
     if found is not None and not outgoing and popen is None and not found[0].name:
         found = None  # a memfd on a channel we do not own: copied as an unshared array (Note [channels we do not own])
-    if arr.nbytes == 0 or (found is None and (outgoing and ctx.copy_inline or arr.nbytes < get_inline_threshold()
-                                              and not (ctx and ctx.share_all))) \
+    if arr.nbytes == 0 or (found is None and (outgoing and ctx.copy_inline or arr.nbytes < get_inline_threshold())) \
             or (not outgoing and popen is None and get_sharing_strategy() == "file_descriptor" and found is None):
         # small, or shared memory is full (_channel._pickle), or on a channel we do not own whose sender may be
         # gone before the receiver asks for the descriptor (Note [channels we do not own]): a copy in the
         # pickle, as the stdlib sends it
-        if outgoing:
-            ctx.inlined += 1
-        order = "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C"
-        return rebuild_inline, (arr.tobytes(order), _dtype(arr.dtype), arr.shape, order, readonly)
+        return _inline(arr)
     if found is None:
         if outgoing:
             ref, offset = ctx.copy_ref(arr)
@@ -297,6 +323,17 @@ def reduce_ndarray(arr: np.ndarray):
     return rebuild_ndarray, (*args, block)
 
 
+def _inline(arr: np.ndarray) -> tuple:
+    order = "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C"
+    return rebuild_inline, (arr.tobytes(order), _dtype(arr.dtype), arr.shape, order, _readonly(arr))
+
+
+# Note [small arrays]: a small array travels in the pickle (rebuild_inline: its bytes, its dtype's string, byte
+# order and read-only flag kept), every one of a message: a message of a thousand small arrays is pickled once, at
+# about the cost of the stdlib's pickle of it (it was pickled a second time, each of them put in shared memory,
+# when its pickle passed INLINE bytes: it is spilled now, Note [spills]). On our channels one that numpy owns (no
+# base) in a process with no shared allocation (_alloc: ``_shared.owned`` empty) is in no segment: it skips the
+# search for one (segment_of, the moves of _alloc Note [moving results]).
 def rebuild_inline(data: bytes, dtype, shape, order: str, readonly: bool) -> np.ndarray:
     """Rebuild a small array sent inside the pickle, byte order and read-only flag kept (numpy's own
     protocol-4 reduction, which the stdlib uses, loses both)."""
