@@ -37,7 +37,9 @@ FOLDERS = [f"packages/{name}" for name in ("shm-core", "shm-manager", "mp-reduct
 PKG = {
     "shm_core": ["packages/shm-core"],
     "shm_manager": ["packages/shm-core", "packages/shm-manager"],
-    "mp_reductions": ["packages/shm-core", "packages/shm-manager", "packages/mp-reductions", "hypothesis"],
+    # pyarrow and pandas: protocol-5 buffers of other types than numpy's (tests/test_payloads.py), never a dependency
+    "mp_reductions": ["packages/shm-core", "packages/shm-manager", "packages/mp-reductions", "hypothesis", "pyarrow",
+                      "pandas"],
     "shm_cuda": ["packages/shm-core", "packages/shm-cuda[cuda12]"],  # cupy: its API is checked without a GPU
     "mp_spawn": ["packages/mp-spawn"],
     "mp_dask": [*FOLDERS, "."],  # the facade too: its get_context("dask") is tested here
@@ -98,7 +100,7 @@ def tests(session):
     """Every package's suite and the facade's on one interpreter (``nox -s tests-3.14``), in one venv."""
     # cupy (its API is checked without a GPU) where it has a wheel: cupy-cuda12x 14.2 has none for 3.15
     extras = "joblib" if session.python in NO_CUPY else "cuda12,joblib"
-    session.install(*FOLDERS, f".[{extras}]", "scikit-learn", "hypothesis", "pytest")
+    session.install(*FOLDERS, f".[{extras}]", "scikit-learn", "hypothesis", "pyarrow", "pandas", "pytest")
     failed = []
     for suite in [f"{folder}/tests" for folder in FOLDERS] + ["tests"]:
         try:

@@ -86,21 +86,7 @@ def tasks(method: str, n: int, repeat: int, workers: int) -> dict[str, tuple[flo
             pair = times.setdefault("submit", ([], []))
             for side, seconds in zip(pair, _timed(_submit, a, b, n), strict=True):
                 side.append(seconds)
-    startup = times.setdefault(f"Pool({workers}) start, a task each, join", ([], []))
-    for _ in range(repeat):
-        for side, ctx in zip(startup, (std, ours), strict=True):
-            side.append(_startup(ctx, workers))
     return {k: (statistics.median(s), statistics.median(o)) for k, (s, o) in times.items()}
-
-
-def _startup(ctx, workers: int) -> float:
-    """Seconds from a new Pool to its workers joined, with one tiny task each in between."""
-    t0 = time.perf_counter()
-    pool = ctx.Pool(workers)
-    pool.map(abs, range(workers), chunksize=1)
-    pool.close()
-    pool.join()
-    return time.perf_counter() - t0
 
 
 def _echo(kind: str, inbox, outbox, n: int) -> None:
