@@ -289,7 +289,7 @@ def _spill(payload, room: int) -> list[shm_core.Segment]:
 #     | nbuf, table at, pickle at, pickle length | pickle (at SPILL_AT) | table: nbuf x (offset, length) |
 #     | buffer 0 | buffer 1 | ...
 #
-# The sender pickles into it (_Writer: past INLINE bytes the pickle moves from its BytesIO into a segment) and
+# The sender pickles into it (_Writer: past INLINE bytes the pickle moves from its chunks of bytes into a segment) and
 # copies each buffer into it once, then counts the message in the segment's views word; the
 # receiver views the segment, gives the message's count back (unpack, _unspill), unpickles from the mapping
 # where it lies (no copy into bytes) and hands pickle the buffers as views of the mapping: an object rebuilt

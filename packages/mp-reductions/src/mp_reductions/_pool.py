@@ -247,8 +247,9 @@ class WorkerStartError(Exception):
         return type(self), (self.failures, self.pid, self.exitcode, self.method)
 
 
-# From Python 3.14 the fork server imports the main module itself as it starts (it preloads __main__), so a
-# script that makes a pool at its top level ends the fork server, and the start fails with a broken connection.
+# The fork server imports the main module itself as it starts (it preloads __main__), so a script that makes a
+# pool at its top level may end the fork server there; where the connection to it is authenticated (3.13.x and
+# 3.14 seen here), the start then fails with a broken connection (mp_spawn Note [unguarded main]).
 _FORKSERVER_DIED = (
     "the fork server exited before it could start a pool worker. It imports the main module first, and a script "
     "that makes a pool (or starts processes) at its top level fails there (the stdlib's \"bootstrapping phase\" "

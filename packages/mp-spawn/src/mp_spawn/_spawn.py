@@ -76,11 +76,12 @@ stdlib checks), raises a RuntimeError that names the guard, and writes it to
 the error file of this child, for the parent to raise as usual.  The child
 knows that file from its process name: the parent sends the name to the child
 before the main module (the one thing it sends first), so it appends the path
-(``_NAME_TAG``) for the start and takes it off again on both sides.  From
-Python 3.14 the fork server imports the main module itself as it starts (it
-preloads ``__main__``), and such a script ends it there, before any child
-exists: our RuntimeError (or the stdlib's) goes to its stderr, and the start
-fails with a broken connection to it.  A forkserver start that fails so, with
+(``_NAME_TAG``) for the start and takes it off again on both sides.  The
+fork server imports the main module itself as it starts (it preloads
+``__main__``), and such a script may end it there, before any child exists:
+our RuntimeError (or the stdlib's) goes to its stderr, and where the
+connection to the fork server is authenticated (3.13.x and 3.14 seen here;
+3.11.7's children fail instead) the start fails with a broken connection.  A forkserver start that fails so, with
 no child's error file, raises a RuntimeError that names the guard.
 """
 
