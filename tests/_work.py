@@ -70,3 +70,14 @@ def nap(seconds):
 
     time.sleep(seconds)
     return seconds
+
+
+def wait_for_sigint(ready):
+    """Exit 7 from a SIGINT handler (``Process.interrupt``), after telling ``ready`` it is installed."""
+    import os
+    import signal
+    import time
+
+    signal.signal(signal.SIGINT, lambda *_: os._exit(7))
+    ready.set()
+    time.sleep(60)

@@ -100,6 +100,25 @@ def test_pool_moves_arrays_like_serial(method):
     pool.join()
 
 
+@pytest.mark.parametrize("method", ["spawn", "fork", "forkserver"])
+def test_process_interrupt_on_every_version(method):
+    """3.14's Process.interrupt(): SIGINT, on 3.11-3.13 too (added to the stdlib's class, which mp.Process is)."""
+    ctx = mp.get_context(method)
+    ready = ctx.Event()
+    p = ctx.Process(target=_work.wait_for_sigint, args=(ready,))
+    with pytest.raises((ValueError, AttributeError)):  # ours says "not been started"; 3.14's has no popen yet
+        p.interrupt()
+    p.start()
+    assert ready.wait(60)
+    p.interrupt()
+    p.join(60)
+    assert p.exitcode == 7  # the target's SIGINT handler ran
+    p.interrupt()  # exited: nothing to do, as terminate()
+    p.close()
+    with pytest.raises(ValueError, match="closed"):
+        p.interrupt()
+
+
 def test_spawn_is_reexported():
     import mp_spawn
 

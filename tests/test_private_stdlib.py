@@ -24,6 +24,7 @@ import inspect
 import multiprocessing
 import pathlib
 import sys
+from multiprocessing import forkserver as mp_forkserver
 from multiprocessing import pool as mp_pool
 
 import pytest
@@ -84,6 +85,11 @@ PRIVATE = [
     ("multiprocessing.pool.Pool", "_worker_handler._state", "attribute", _POOL,
      "the stdlib's close()/terminate() stop the handler threads by setting their _state, which our handlers "
      "read (threading.current_thread()._state): close/join would hang"),
+    ("multiprocessing.forkserver", "_forkserver", "attribute", _POOL,
+     "read with a default: the fork server no longer preloads our packages, so each forkserver worker imports "
+     "numpy and ours itself before its first task (Note [fork server preload])"),
+    ("multiprocessing.forkserver.ForkServer", "_preload_modules", "attribute", _POOL,
+     "read with a default: as for _forkserver (a list we extend, keeping the names the user set)"),
     ("multiprocessing.process.BaseProcess", "_popen", "attribute", "mp_spawn/_spawn.py",
      "start_processes' clean-up after a failed start raises AttributeError"),
     ("multiprocessing.spawn", "_inheriting", "attribute", "mp_spawn/_spawn.py",
@@ -146,6 +152,7 @@ INSTANCES = {
     "multiprocessing.queues.SimpleQueue": _simple_queue,
     "multiprocessing.pool.Pool": _closed_thread_pool,
     "multiprocessing.pool.ApplyResult": lambda: contextlib.nullcontext(mp_pool.ApplyResult(_StubPool(), None, None)),
+    "multiprocessing.forkserver.ForkServer": lambda: contextlib.nullcontext(mp_forkserver.ForkServer()),
     "multiprocessing.process.BaseProcess": lambda: contextlib.nullcontext(multiprocessing.get_context().Process()),
 }
 

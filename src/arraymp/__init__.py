@@ -38,18 +38,16 @@ from mp_reductions import (
 from mp_reductions import (
     init_reductions as _init_reductions,
 )
-from mp_spawn import (
-    ProcessContext,
-    ProcessException,
-    ProcessExitedException,
-    ProcessRaisedException,
-    SpawnContext,
-    spawn,
-    start_processes,
-)
 
 from ._context import default_context as _default_context
-from ._executor import ProcessPoolExecutor
+
+# Imported on first use, as the submodules below are: importing them cost every process that imports arraymp (the
+# program, each spawn and forkserver worker, the fork server) ~10 ms that a program which never uses them need not pay.
+_LAZY = {
+    **dict.fromkeys(("ProcessContext", "ProcessException", "ProcessExitedException", "ProcessRaisedException",
+                     "SpawnContext", "spawn", "start_processes"), "mp_spawn"),
+    "ProcessPoolExecutor": "arraymp._executor",
+}
 
 # Every public name of multiprocessing, then ours over it (the stdlib's own
 # __init__ copies its default context's bound methods the same way).
@@ -89,13 +87,20 @@ _SUBMODULES = {"connection", "managers", "pool", "queues", "shared_memory", "uti
 
 
 def __getattr__(name):
-    if name in _SUBMODULES:
+    if name in _SUBMODULES or name in _LAZY:
         import importlib
 
-        return importlib.import_module(f"{__name__}.{name}")
+        if name in _SUBMODULES:
+            return importlib.import_module(f"{__name__}.{name}")
+        value = globals()[name] = getattr(importlib.import_module(_LAZY[name]), name)
+        return value
     # the version lives in pyproject.toml only, read on first use: importing stays fast
     if name == "__version__":
         from importlib.metadata import version
 
         return version("arraymp")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted({*globals(), *_LAZY})

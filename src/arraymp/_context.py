@@ -12,7 +12,26 @@ setting, as in torch.multiprocessing.
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
 from multiprocessing import context as mpc
+from multiprocessing import process as mp_process
+
+
+def _interrupt(self) -> None:
+    """Send the process SIGINT (Python 3.14's ``Process.interrupt``): a KeyboardInterrupt in its target, unless the
+    target handles SIGINT. Nothing happens once it has exited."""
+    if self.exitcode is None and self.pid is not None:  # not reaped yet: the pid is still this process's
+        os.kill(self.pid, signal.SIGINT)
+    elif self.pid is None:
+        raise ValueError("cannot interrupt a process that has not been started; call start() first")
+
+
+# Python 3.14 added Process.interrupt(); arraymp's Process is the stdlib's own class (mp.Process is
+# multiprocessing.Process, as in torch.multiprocessing), so on 3.11-3.13 the method is added to it where missing:
+# one method the stdlib lacks, nothing it has is changed.
+if not hasattr(mp_process.BaseProcess, "interrupt"):
+    mp_process.BaseProcess.interrupt = _interrupt
 
 
 class _ArrayContext:

@@ -51,10 +51,14 @@ What changed from the stdlib, and why::
   ``GC_INTERVAL`` seconds while busy, and at exit, so views of shared memory
   caught in reference cycles do not pin segments. What a worker holds once
   started (its imports, the initializer's state) is frozen first
-  (``gc.freeze``, after a collection): a collection looks at what its tasks
-  made only (a full one cost ~17 ms with numpy imported, every 0.1 s, a
-  sixth of a busy worker); a cycle among the frozen objects is never collected
-  but lives as long as the worker, as the initializer's globals do.
+  (``gc.freeze``): a collection looks at what its tasks made only (a full one
+  cost ~17 ms with numpy imported, every 0.1 s, a sixth of a busy worker); a
+  cycle among the frozen objects is never collected but lives as long as the
+  worker, as the initializer's globals do. No collection comes before the
+  freeze: it cost each worker 10-16 ms before its first task, and a fork
+  child's collection writes to every page of objects it shares with its
+  parent (copy-on-write lost); the garbage it would find there is the
+  parent's, already made.
 
 The task index in ``WorkerLostError`` is the item's for ``apply`` and for
 ``imap`` / ``imap_unordered`` with chunksize 1, else the chunk's.
@@ -161,6 +165,7 @@ import select
 import signal
 import socket
 import struct
+import sys
 import termios
 import threading
 import time
@@ -257,6 +262,29 @@ _FORKSERVER_DIED = (
     '`if __name__ == "__main__":`'
 )
 
+
+# Note [fork server preload]: a forkserver worker is forked from the fork server, so what the server imported
+# the worker need not import again. The stdlib's server preloads only the main module (and 3.11-3.13 do not
+# even that: the key they pass is not the one the server reads), so every worker imported numpy and this
+# package anew: 100-250 ms each before its first task, on top of the stdlib's start. The first forkserver pool
+# therefore adds our packages to the preload list, kept as the user set it otherwise, before the server starts
+# (once it runs, the list is not read again: a server the stdlib or the user started earlier serves as it is).
+# The server imports them at start (an ImportError there is ignored, as for any preload name); a module
+# already in that list is not added twice. The server then holds numpy and our modules, as a fork parent does.
+_PRELOAD = ("mp_reductions", "arraymp")  # this package, and the facade when it is what made the pool
+
+
+def _preload_in_fork_server(ctx) -> None:
+    """Add our loaded packages to the fork server's preload list before it starts (Note [fork server preload])."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    names = getattr(server, "_preload_modules", None)
+    if not isinstance(names, list):
+        return
+    extra = [n for n in _PRELOAD if n in sys.modules and n not in names]
+    if extra:
+        ctx.set_forkserver_preload([*names, *extra])
 
 def _kind(result) -> str:
     if isinstance(result, mp_pool.MapResult):
@@ -376,7 +404,6 @@ def worker(inqueue, outqueue, initializer=None, initargs=(), maxtasks=None, wrap
                 pass
             raise
     _send(out, _STARTED, os.getpid())
-    gc.collect()
     gc.freeze()  # what it has now lives as long as it does: collections look at what tasks made only
 
     completed, dirty, last_gc = 0, False, time.perf_counter()
@@ -945,6 +972,8 @@ class Pool(mp_pool.Pool):
         self._inqueue = _Slots(self._processes, self._cache, batches=self._maxtasksperchild is None,
                                shared_results=self._shared_results, daemon=self._daemon)
         self._inqueue.method = self._ctx.get_start_method()  # named by WorkerStartError
+        if self._inqueue.method == "forkserver":
+            _preload_in_fork_server(self._ctx)
         self._outqueue = SimpleQueue()
         self._quick_put = self._inqueue.put
 

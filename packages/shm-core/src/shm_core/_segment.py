@@ -31,7 +31,6 @@ import os
 import re
 import reprlib
 import resource
-import secrets
 import stat
 import struct
 
@@ -163,7 +162,7 @@ def segment_name(prefix: str = DEFAULT_PREFIX, group: str | None = None) -> str:
     shm_manager); it defaults to this process's pid.
     """
     pid = os.getpid()
-    return f"{prefix}{os.getuid()}_{group or pid}_{pid}_{secrets.token_hex(8)}"
+    return f"{prefix}{os.getuid()}_{group or pid}_{pid}_{os.urandom(8).hex()}"
 
 
 def parse_name(name: str, prefix: str = DEFAULT_PREFIX) -> tuple[int, str, int] | None:
@@ -354,7 +353,7 @@ class Segment(_native.Mapping):
 
 
 def _write_header(seg: Segment, size: int) -> None:
-    seg.write(0, _HEAD.pack(MAGIC, VERSION, 0, size, os.getpid(), secrets.randbits(64)))
+    seg.write(0, _HEAD.pack(MAGIC, VERSION, 0, size, os.getpid(), int.from_bytes(os.urandom(8))))
     seg.size, seg.creator_pid = size, os.getpid()
     seg.id = int.from_bytes(seg.read(32, 8), "little")
 

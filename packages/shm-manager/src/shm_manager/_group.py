@@ -67,7 +67,6 @@ stale module state: a parent can pass ``group()`` along and the child call
 from __future__ import annotations
 
 import os
-import secrets
 import threading
 from multiprocessing import util
 
@@ -101,7 +100,7 @@ def group() -> str:
             if _paths.GROUP_RE.fullmatch(token):
                 _adopt(token)
             else:
-                _adopt("g" + secrets.token_hex(6))
+                _adopt("g" + os.urandom(6).hex())
                 st.root = True
                 _startup_sweep()
         return st.token

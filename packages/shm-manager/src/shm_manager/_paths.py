@@ -52,7 +52,6 @@ import fcntl
 import os
 import re
 import stat
-import tempfile
 import time
 import warnings
 
@@ -154,6 +153,8 @@ def runtime_dir(dir: str | os.PathLike | None = None, *, create: bool = True, gr
         except FileExistsError:
             pass
         if not _ours(default):
+            import tempfile  # here only: importing it costs every program ~7 ms (shutil, random)
+
             fallback = tempfile.mkdtemp(prefix=os.path.basename(default) + "-", dir=shm)
             _warn_once(f"{default} is not a directory of uid {os.getuid()} (another user may have made it): "
                        f"arraymp uses {fallback} instead; to go back, have root remove {default}")
