@@ -100,6 +100,13 @@ def test_demo_writes_plain_progress_lines_when_stderr_is_not_a_terminal():
     assert "pipeline, fresh 8 MiB arrays [arraymp]: 16 messages\n" in out.stderr
     assert all(line.strip() for line in out.stderr.splitlines()), "blank lines where bars would have ended"
     assert "speed-up" in out.stdout
+    # a handle moves no array bytes: the shared array's row is in messages per second, and the table says so
+    (shared,) = [line for line in out.stdout.splitlines() if line.startswith("pipeline, shared 8 MiB array")]
+    assert shared.count("msg/s") == 2 and "GiB/s" not in shared, shared
+    (fresh,) = [line for line in out.stdout.splitlines() if line.startswith("pipeline, fresh 8 MiB arrays")]
+    assert fresh.count("GiB/s") == 2, fresh
+    assert "GiB/s: array bytes that reached the other process per second" in out.stdout
+    assert "msg/s: an array already in shared memory travels as a handle" in out.stdout
 
 
 def test_demo_with_stderr_in_a_file_logs_no_redraws(tmp_path):

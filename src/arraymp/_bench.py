@@ -31,6 +31,7 @@ import time
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
+from mp_reductions._progress import isatty
 from tqdm import tqdm
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20]
@@ -255,7 +256,7 @@ class Status:
 
     def __init__(self, stream=None):
         self.stream = sys.stderr if stream is None else stream
-        self.tty = _isatty(self.stream)
+        self.tty = isatty(self.stream)  # the test of the pools' progress bars (progress=True)
         self.status = None  # the tqdm line ``show`` draws in place, None when none
 
     def show(self, text: str) -> None:
@@ -282,13 +283,6 @@ class Status:
         """A progress bar of ``total`` steps (``update()`` each), drawn only where the stream is a terminal."""
         return tqdm(total=total, file=self.stream, disable=not self.tty, leave=True, unit="msg",
                     bar_format="  {bar:40} {percentage:3.0f}% {n_fmt}/{total_fmt} {unit}")
-
-
-def _isatty(stream) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):  # no isatty, or closed
-        return False
 
 
 def estimate(sizes: list[int], repeat: int, quick: bool, systems: list[str], pickled_rate: float) -> float:

@@ -114,12 +114,14 @@ class ProcessPoolExecutor(futures.ProcessPoolExecutor):
 
     submit.__doc__ = futures.Executor.submit.__doc__
 
-    def map(self, fn, *iterables, timeout=None, chunksize=1, buffersize=None):
+    def map(self, fn, *iterables, timeout=None, chunksize=1, buffersize=None, progress=None):
         """Python 3.14's ``ProcessPoolExecutor.map``, ``buffersize`` included, on every version: an iterator of
         ``fn(*args)`` for the arguments of ``zip(*iterables)``, in order, the calls sent ``chunksize`` to a task;
         with ``buffersize``, at most that many tasks submitted and not yet yielded (the iterables read lazily).
-        ``TimeoutError`` if the whole iteration takes longer than ``timeout`` seconds."""
-        return executor_map(self, fn, *iterables, timeout=timeout, chunksize=chunksize, buffersize=buffersize)
+        ``TimeoutError`` if the whole iteration takes longer than ``timeout`` seconds. ``progress=True`` (or a
+        dict of tqdm's options, e.g. ``{"desc": "fit"}``) draws a progress bar on stderr where it is a terminal."""
+        return executor_map(self, fn, *iterables, timeout=timeout, chunksize=chunksize, buffersize=buffersize,
+                            progress=progress)
 
     def shutdown(self, wait=True, *, cancel_futures=False):
         with self._lock:

@@ -53,8 +53,9 @@ class ProcessPoolExecutor(futures.Executor):
             else:
                 f.set_exception(value)
 
-    def map(self, fn, *iterables, timeout=None, chunksize=1, buffersize=None):
-        return executor_map(self, fn, *iterables, timeout=timeout, chunksize=chunksize, buffersize=buffersize)
+    def map(self, fn, *iterables, timeout=None, chunksize=1, buffersize=None, progress=None):
+        return executor_map(self, fn, *iterables, timeout=timeout, chunksize=chunksize, buffersize=buffersize,
+                            progress=progress)
 
     def shutdown(self, wait=True, *, cancel_futures=False):
         with self._lock:

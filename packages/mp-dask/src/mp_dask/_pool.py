@@ -14,6 +14,8 @@ import itertools
 from multiprocessing.pool import ApplyResult as _ApplyResult
 from multiprocessing.pool import IMapIterator, IMapUnorderedIterator, MapResult
 
+from mp_reductions import progress_bar, track_progress
+
 from ._tasks import Tasks, apply_star, call_star, map_star, not_applied, starmap_star
 
 RUN, CLOSE, TERMINATE = "RUN", "CLOSE", "TERMINATE"
@@ -57,19 +59,23 @@ class Pool:
         self._submit(result, apply_star, func, [(tuple(args), dict(kwds))], "apply")
         return result
 
-    def map(self, func, iterable, chunksize=None):
-        return self._map_async(func, iterable, map_star, chunksize).get()
+    # ``progress=True`` (or a dict of tqdm's options): mp_reductions.Pool's progress bar, advanced as results arrive.
 
-    def starmap(self, func, iterable, chunksize=None):
-        return self._map_async(func, iterable, starmap_star, chunksize).get()
+    def map(self, func, iterable, chunksize=None, *, progress=None):
+        return self._map_async(func, iterable, map_star, chunksize, progress=progress).get()
 
-    def map_async(self, func, iterable, chunksize=None, callback=None, error_callback=None):
-        return self._map_async(func, iterable, map_star, chunksize, callback, error_callback)
+    def starmap(self, func, iterable, chunksize=None, *, progress=None):
+        return self._map_async(func, iterable, starmap_star, chunksize, progress=progress).get()
 
-    def starmap_async(self, func, iterable, chunksize=None, callback=None, error_callback=None):
-        return self._map_async(func, iterable, starmap_star, chunksize, callback, error_callback)
+    def map_async(self, func, iterable, chunksize=None, callback=None, error_callback=None, *, progress=None):
+        return self._map_async(func, iterable, map_star, chunksize, callback, error_callback, progress=progress)
 
-    def _map_async(self, func, iterable, star, chunksize=None, callback=None, error_callback=None):
+    def starmap_async(self, func, iterable, chunksize=None, callback=None, error_callback=None, *, progress=None):
+        return self._map_async(func, iterable, starmap_star, chunksize, callback, error_callback,
+                               progress=progress)
+
+    def _map_async(self, func, iterable, star, chunksize=None, callback=None, error_callback=None, *,
+                   progress=None):
         self._check_running()
         items = list(iterable)
         if chunksize is None:
@@ -77,22 +83,28 @@ class Pool:
             chunksize += bool(extra)
         if chunksize < 1 and items:
             raise ValueError(f"Chunksize must be 1+, not {chunksize:n}")
+        chunks = _chunks(items, chunksize) if items else []
+        bar = progress_bar(progress, len(items))
         result = MapResult(self, chunksize if items else 0, len(items), callback, error_callback=error_callback)
-        self._submit(result, star, func, _chunks(items, chunksize) if items else [], "map")
+        track_progress(result, bar, [len(c) for c in chunks])
+        self._submit(result, star, func, chunks, "map")
         return result
 
-    def imap(self, func, iterable, chunksize=1):
-        return self._imap(IMapIterator, func, iterable, chunksize, "imap")
+    def imap(self, func, iterable, chunksize=1, *, progress=None):
+        return self._imap(IMapIterator, func, iterable, chunksize, "imap", progress)
 
-    def imap_unordered(self, func, iterable, chunksize=1):
-        return self._imap(IMapUnorderedIterator, func, iterable, chunksize, "imap_unordered")
+    def imap_unordered(self, func, iterable, chunksize=1, *, progress=None):
+        return self._imap(IMapUnorderedIterator, func, iterable, chunksize, "imap_unordered", progress)
 
-    def _imap(self, result_type, func, iterable, chunksize, kind):
+    def _imap(self, result_type, func, iterable, chunksize, kind, progress=None):
         self._check_running()
         if chunksize < 1:
             raise ValueError(f"Chunksize must be 1+, not {chunksize:n}")
-        items, result = list(iterable), result_type(self)
+        items = list(iterable)
+        bar = progress_bar(progress, len(items))
+        result = result_type(self)
         payloads = items if chunksize == 1 else _chunks(items, chunksize)
+        track_progress(result, bar, None if chunksize == 1 else [len(c) for c in payloads])
         self._submit(result, call_star if chunksize == 1 else map_star, func, payloads, kind)
         result._set_length(len(payloads))
         return result if chunksize == 1 else (item for chunk in result for item in chunk)

@@ -8,13 +8,16 @@ them that survives dead workers. ``shared_allocation()`` and
 ``set_shared_allocation()`` make numpy place large arrays in shared memory
 from birth (NEP 49), so they travel with no copy at all. ``executor_map`` is
 Python 3.14's ``ProcessPoolExecutor.map`` (chunks, ``buffersize``) over any
-executor's ``submit``, on every Python version.
+executor's ``submit``, on every Python version. ``progress_bar`` and
+``track_progress`` draw the bar of ``progress=True`` for pools built on the
+stdlib's result objects (mp-dask's).
 """
 
 from ._alloc import set_shared_allocation, shared_allocation
 from ._chunks import executor_map
 from ._connection import Connection, Pipe
 from ._pool import Pool, WorkerLostError, WorkerStartError, prepare_worker
+from ._progress import progress_bar, track_progress
 from ._queues import JoinableQueue, Queue, SimpleQueue
 from ._recycle import copies_lost, message_copies
 from ._reductions import init_reductions, rebuild_ndarray, reduce_ndarray
@@ -46,6 +49,7 @@ __all__ = [
     "is_shared",
     "message_copies",
     "prepare_worker",
+    "progress_bar",
     "rebuild_ndarray",
     "reduce_ndarray",
     "set_inline_threshold",
@@ -53,6 +57,7 @@ __all__ = [
     "set_sharing_strategy",
     "share_memory",
     "shared_allocation",
+    "track_progress",
     "zeros_shared",
 ]
 

@@ -178,6 +178,8 @@ import shm_manager
 from . import _recycle
 from ._alloc import moves, set_shared_allocation
 from ._channel import INLINE, Packet, check_openable, loads, recv_fds, recv_raw
+from ._hints import add_pickling_hint
+from ._progress import chunk_sizes, counted, progress_bar, track_progress
 from ._queues import SimpleQueue
 from ._reductions import MAX_FDS, init_reductions
 
@@ -596,7 +598,11 @@ class _Slots:
             return
         job, i = task[:2]
         head = pickle.dumps((job, i))
-        packet = Packet(task, head=head)  # may raise: the stdlib makes it the task's error
+        try:
+            packet = Packet(task, head=head)  # may raise: the stdlib makes it the task's error
+        except Exception as e:
+            add_pickling_hint(e, task)  # a lambda: say what to do
+            raise
         weight = 1 if packet.plain else BATCH_MAX
         with self.lock:
             while not self.closed and self.broken is None and self.weight >= self.ready_max:
@@ -959,6 +965,88 @@ class Pool(mp_pool.Pool):
     def join(self) -> None:
         super().join()
         _recycle.release_all()  # the message segments this process keeps for reuse go with the pool
+
+    # The stdlib's maps (3.11-3.14 alike), plus ``progress``: a tqdm bar advanced as results arrive (_progress.py).
+    # Without it, each is the stdlib's own.
+
+    def map(self, func, iterable, chunksize=None, *, progress=None):
+        """The stdlib's; ``progress=True`` (or a dict of tqdm's options, e.g. ``{"desc": "fit"}``) draws a progress
+        bar on stderr where it is a terminal."""
+        return self._map_async(func, iterable, mp_pool.mapstar, chunksize, progress=progress).get()
+
+    def starmap(self, func, iterable, chunksize=None, *, progress=None):
+        """The stdlib's, with ``progress`` as ``map``'s."""
+        return self._map_async(func, iterable, mp_pool.starmapstar, chunksize, progress=progress).get()
+
+    def map_async(self, func, iterable, chunksize=None, callback=None, error_callback=None, *, progress=None):
+        """The stdlib's, with ``progress`` as ``map``'s."""
+        return self._map_async(func, iterable, mp_pool.mapstar, chunksize, callback, error_callback,
+                               progress=progress)
+
+    def starmap_async(self, func, iterable, chunksize=None, callback=None, error_callback=None, *, progress=None):
+        """The stdlib's, with ``progress`` as ``map``'s."""
+        return self._map_async(func, iterable, mp_pool.starmapstar, chunksize, callback, error_callback,
+                               progress=progress)
+
+    def _map_async(self, func, iterable, mapper, chunksize=None, callback=None, error_callback=None, *,
+                   progress=None):
+        if progress is None or progress is False:
+            return super()._map_async(func, iterable, mapper, chunksize, callback, error_callback)
+        self._check_running()
+        if not hasattr(iterable, "__len__"):
+            iterable = list(iterable)
+        if chunksize is None:
+            chunksize, extra = divmod(len(iterable), len(self._pool) * 4)
+            if extra:
+                chunksize += 1
+        if len(iterable) == 0:
+            chunksize = 0
+        bar = progress_bar(progress, len(iterable))  # before the result: ImportError without tqdm
+        task_batches = mp_pool.Pool._get_tasks(func, iterable, chunksize)
+        result = mp_pool.MapResult(self, chunksize, len(iterable), callback, error_callback=error_callback)
+        track_progress(result, bar, chunk_sizes(len(iterable), chunksize))
+        self._taskqueue.put((self._guarded_task_generation(result._job, mapper, task_batches), None))
+        return result
+
+    def imap(self, func, iterable, chunksize=1, *, progress=None):
+        """The stdlib's, with ``progress`` as ``map``'s (its total unknown until the iterable is read to its end,
+        where it has no ``len``)."""
+        if progress is None or progress is False:
+            return super().imap(func, iterable, chunksize)
+        return self._imap(mp_pool.IMapIterator, func, iterable, chunksize, progress)
+
+    def imap_unordered(self, func, iterable, chunksize=1, *, progress=None):
+        """The stdlib's, with ``progress`` as ``imap``'s."""
+        if progress is None or progress is False:
+            return super().imap_unordered(func, iterable, chunksize)
+        return self._imap(mp_pool.IMapUnorderedIterator, func, iterable, chunksize, progress)
+
+    def _imap(self, result_type, func, iterable, chunksize, progress):
+        self._check_running()
+        if chunksize < 1:
+            raise ValueError(f"Chunksize must be 1+, not {chunksize:n}")
+        bar = progress_bar(progress, len(iterable) if hasattr(iterable, "__len__") else None)
+        result = result_type(self)
+        if chunksize == 1:
+            track_progress(result, bar)
+            tasks = self._guarded_task_generation(result._job, func, iterable)
+        else:
+            sizes = []
+            track_progress(result, bar, sizes)
+            tasks = self._guarded_task_generation(
+                result._job, mp_pool.mapstar, counted(mp_pool.Pool._get_tasks(func, iterable, chunksize), sizes))
+        self._taskqueue.put((tasks, result._set_length))
+        return result if chunksize == 1 else (item for chunk in result for item in chunk)
+
+    def terminate(self) -> None:
+        """The stdlib's; the progress bars of the maps left unfinished close."""
+        try:
+            super().terminate()
+        finally:
+            for result in list(self._cache.values()):
+                bar = getattr(result, "_progress", None)
+                if bar is not None:
+                    bar.close()
 
     @staticmethod
     def _thread(target, args) -> threading.Thread:

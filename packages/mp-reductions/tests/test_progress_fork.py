@@ -1,0 +1,5 @@
+from _progress_suite import ProgressSuite
+
+
+class TestProgressFork(ProgressSuite):
+    method = "fork"

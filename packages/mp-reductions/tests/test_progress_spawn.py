@@ -1,0 +1,5 @@
+from _progress_suite import ProgressSuite
+
+
+class TestProgressSpawn(ProgressSuite):
+    method = "spawn"

@@ -1,0 +1,99 @@
+"""progress= through the facade: ``mp.ProcessPoolExecutor.map`` and ``mp.Pool.map`` draw a tqdm bar on a terminal
+and nothing into a pipe, under every start method; a lambda given to the executor's submit or map says what to do
+(the Pool's own maps are tested in packages/mp-reductions/tests/_progress_suite.py)."""
+
+import fcntl
+import os
+import pickle
+import pty
+import struct
+import subprocess
+import sys
+import termios
+import threading
+
+import pytest
+
+import arraymp as mp
+
+METHODS = ["spawn", "forkserver", "fork"]
+TIMEOUT = 120
+SAME = lambda x: x  # noqa: E731 - a module-level lambda: pickle cannot look "<lambda>" up (PicklingError)
+
+SCRIPT = """
+import sys, time
+import arraymp as mp
+import _work
+
+if __name__ == "__main__":
+    ctx = mp.get_context(sys.argv[1])
+    with mp.ProcessPoolExecutor(2, mp_context=ctx) as ex:
+        assert list(ex.map(_work.double, range(50), chunksize=4, progress={"desc": "executor"})) == \\
+            [2 * x for x in range(50)]
+    with ctx.Pool(2) as pool:
+        assert pool.map(_work.double, range(50), progress={"desc": "pool"}) == [2 * x for x in range(50)]
+    print("results ok", flush=True)
+"""
+
+
+def _run(method: str, tmp_path, terminal: bool):
+    script = tmp_path / "progress_script.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__),
+                                                       *filter(None, [os.environ.get("PYTHONPATH")])]))
+    if not terminal:
+        p = subprocess.run([sys.executable, str(script), method], capture_output=True, text=True, timeout=TIMEOUT,
+                           env=env)
+        return p.returncode, p.stdout, p.stderr
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a terminal of 100 columns
+    seen, out = [], []
+    try:
+        p = subprocess.Popen([sys.executable, str(script), method], stdout=subprocess.PIPE, stderr=follower, env=env)
+        os.close(follower)
+        follower = -1
+        reader = threading.Thread(target=lambda: out.append(p.stdout.read()))
+        reader.start()
+        while True:
+            try:
+                chunk = os.read(leader, 1 << 16)
+            except OSError:  # EIO: the terminal's other end closed
+                break
+            if not chunk:
+                break
+            seen.append(chunk)
+        code = p.wait(timeout=TIMEOUT)
+        reader.join(TIMEOUT)
+    finally:
+        os.close(leader)
+        if follower >= 0:
+            os.close(follower)
+    return code, out[0].decode(), b"".join(seen).decode(errors="replace")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_executor_and_pool_maps_draw_a_bar_on_a_terminal_only(method, tmp_path):
+    code, out, text = _run(method, tmp_path, terminal=True)
+    assert code == 0, text[-3000:]
+    assert out == "results ok\n"
+    lines = text.replace("\r", "\n").splitlines()
+    for desc in ("executor", "pool"):
+        last = [line for line in lines if line.startswith(f"{desc}: ")][-1]
+        assert "100%" in last and "50/50" in last and "it/s" in last, last
+    code, out, err = _run(method, tmp_path, terminal=False)
+    assert code == 0, err
+    assert out == "results ok\n" and err == ""
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_lambda_given_to_the_executor_says_to_define_it_with_def(method):
+    with mp.ProcessPoolExecutor(2, mp_context=mp.get_context(method)) as ex:
+        with pytest.raises(pickle.PicklingError) as submitted:
+            ex.submit(SAME, 1).result(TIMEOUT)
+        with pytest.raises(pickle.PicklingError) as mapped:
+            list(ex.map(SAME, range(3), timeout=TIMEOUT))
+        assert ex.submit(abs, -1).result(TIMEOUT) == 1  # a call that fails to pickle fails its own future only
+    for info in (submitted, mapped):
+        note = "\n".join(info.value.__notes__)
+        assert f"The lambda (defined at {__file__}:" in note, note
+        assert "Define it with `def` at the top level of a module" in note and 'backend="arraymp"' in note
