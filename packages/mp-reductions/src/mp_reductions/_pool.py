@@ -144,6 +144,35 @@ not read (stopped, or starved on a loaded machine); meanwhile no death is
 recorded and no worker replaced, but the deaths seen before are settled and
 the live workers go on. A start that fails (a killed forkserver, no
 descriptors left) is retried after a back-off instead of killing the thread.
+
+Note [task timeouts]: each slot has a row of the pool's ``_Clock`` (a memfd
+shared with its workers: four int64s, a sequence odd while written, the job
+and index of the task running and its start by ``time.monotonic_ns``, which is
+one clock for every process of the machine). A worker writes the row as it
+starts each task and marks it idle before it sends the result (so a task whose
+result is on its way is never timed out); the parent resets it when a worker
+dies and before its replacement starts. A watchdog thread (one per pool)
+reads the rows every ``_TICK`` seconds while the pool has a ``task_timeout``
+or a call with a ``timeout`` is unfinished (else every ``RSS_INTERVAL``, to
+sample the workers' memory: Note [deaths explained] in _deaths). A task past
+its limit, measured from its start as its worker saw it (a worker still
+importing under spawn, or a task queued behind another, uses none of it), has
+its worker sent SIGTERM under the slots' lock after the row is read again
+unchanged (the task is still the one running, and the worker not reaped: its
+pid is its own), and SIGKILL ``GRACE`` seconds later if it has not died. From
+there it is a worker loss like any other (Note [lost tasks]): the worker
+handler records the death, the result handler settles it after reading every
+result the worker sent, the task running fails, the unstarted tasks of its
+message are ready again, the slot gets a new worker, and the shared memory
+the task held is given back as for a SIGKILL. The only difference is the
+error: the death record carries ``(job, i, limit)`` of the task timed out,
+and that task fails with ``TaskTimeoutError`` (a ``TimeoutError``). Should
+the worker have finished it and started the next in the microseconds between
+the second read and the signal, that next one fails with ``WorkerLostError``
+saying so. The unit is the pool's task: an ``apply`` call, an ``imap`` item at
+chunksize 1, a chunk of ``map`` (its items fail together, as a chunk whose
+function raises does; pebble's map limits chunks too). ``AsyncResult.get``'s
+``timeout`` only stops waiting, as the stdlib's.
 """
 
 from __future__ import annotations
@@ -217,12 +246,17 @@ class WorkerLostError(Exception):
     def signal_name(self) -> str | None:
         return _deaths.signal_name(self.exitcode)
 
-    def __str__(self) -> str:
-        how, remedy = _deaths.explain(self.exitcode, self.oom, self.rss)
+    def death(self) -> str:
+        """How the worker ended and what it ran, without the remedy: "worker 12 died with signal SIGSEGV (...)
+        while running task 0 of apply (f(1))"."""
+        how, _ = _deaths.explain(self.exitcode, self.oom, self.rss)
         task = f" ({self.task})" if self.task else ""
         note = f"; {self.note}" if self.note else ""
-        return (f"worker {self.pid} {how} while running task {self.index} of {self.kind}{task}{note}; the pool "
-                f"replaced it and goes on with the other tasks; {remedy}")
+        return f"worker {self.pid} {how} while running task {self.index} of {self.kind}{task}{note}"
+
+    def __str__(self) -> str:
+        _, remedy = _deaths.explain(self.exitcode, self.oom, self.rss)
+        return f"{self.death()}; the pool replaced it and goes on with the other tasks; {remedy}"
 
     def __reduce__(self):
         return type(self), (self.pid, self.exitcode, self.index, self.kind, self.task, self.oom, self.rss, self.note)
