@@ -63,10 +63,11 @@ def size(n: int) -> str:
     raise AssertionError  # pragma: no cover
 
 
-def explain(exitcode: int | None, oom: bool | None, rss: tuple | None) -> tuple[str, str]:
-    """(how the worker ended, what to do), e.g. ("died with signal SIGKILL: killed by the kernel's OOM killer
-    (...)", "give each task less memory, ..."). ``oom``: whether the OOM counter rose (None: not readable);
-    ``rss``: (resident bytes, peak bytes, seconds before the death) of the last sample, or None."""
+def explain(exitcode: int | None, oom: bool | None, rss: tuple | None) -> tuple[str, str, str]:
+    """(how the worker ended, why, what to do): ("died with signal SIGKILL", "killed by the kernel's OOM killer:
+    ...", "give each task less memory, ..."); why is "" when nothing is known. ``oom``: whether the OOM counter rose
+    (None: not readable); ``rss``: (resident bytes, peak bytes, seconds before the death) of the last sample, or
+    None."""
     name = signal_name(exitcode)
     how = f"died with signal {name}" if name else f"exited with code {exitcode}"
     memory = ""
@@ -78,8 +79,7 @@ def explain(exitcode: int | None, oom: bool | None, rss: tuple | None) -> tuple[
         memory += f" when last measured, {age:.1f} s before"
     remedy = "resubmit this one"
     if name == "SIGKILL" and oom:
-        how += ": killed by the kernel's OOM killer"
-        why = "the memory cgroup counted an OOM kill while it ran"
+        why = "killed by the kernel's OOM killer: the memory cgroup counted an OOM kill while it ran"
         remedy = "give each task less memory, use fewer processes, or raise the memory limit"
     elif name == "SIGKILL" and oom is False:
         why = "sent from outside, e.g. `kill -9` or a job scheduler: the memory cgroup counted no OOM kill"
@@ -92,8 +92,9 @@ def explain(exitcode: int | None, oom: bool | None, rss: tuple | None) -> tuple[
                       "it will likely crash again")
     else:
         why = "the task called sys.exit() or os._exit(), or the interpreter failed" if exitcode else ""
-    why = "; ".join(part for part in (why, memory) if part)
-    return (f"{how} ({why})" if why else how), remedy
+    if why and memory:
+        why = f"{why} ({memory})"
+    return how, why or memory, remedy
 
 
 class OomCounter:

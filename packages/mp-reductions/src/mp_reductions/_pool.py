@@ -247,15 +247,16 @@ class WorkerLostError(Exception):
         return _deaths.signal_name(self.exitcode)
 
     def death(self) -> str:
-        """How the worker ended and what it ran, without the remedy: "worker 12 died with signal SIGSEGV (...)
-        while running task 0 of apply (f(1))"."""
-        how, _ = _deaths.explain(self.exitcode, self.oom, self.rss)
+        """How the worker ended and what it ran, without the remedy: "worker 12 died with signal SIGSEGV while
+        running task 0 of apply (f): a crash in native code: ..."."""
+        how, why, _ = _deaths.explain(self.exitcode, self.oom, self.rss)
         task = f" ({self.task})" if self.task else ""
+        why = f": {why}" if why else ""
         note = f"; {self.note}" if self.note else ""
-        return f"worker {self.pid} {how} while running task {self.index} of {self.kind}{task}{note}"
+        return f"worker {self.pid} {how} while running task {self.index} of {self.kind}{task}{why}{note}"
 
     def __str__(self) -> str:
-        _, remedy = _deaths.explain(self.exitcode, self.oom, self.rss)
+        _, _, remedy = _deaths.explain(self.exitcode, self.oom, self.rss)
         return f"{self.death()}; the pool replaced it and goes on with the other tasks; {remedy}"
 
     def __reduce__(self):
@@ -1175,10 +1176,10 @@ class Pool(mp_pool.Pool):
 
     def __init__(self, processes=None, initializer=None, initargs=(), maxtasksperchild=None, context=None, *,
                  shared_results=True, daemon=True, task_timeout=None):
-        task_timeout = check_timeout(task_timeout, "task_timeout")
         # The stdlib's __init__ (3.10-3.13 alike), with this class's handlers as the threads' targets.
         self._pool = []
         self._state = mp_pool.INIT
+        task_timeout = check_timeout(task_timeout, "task_timeout")
         init_reductions()
         self._ctx = context or get_context()
         self._taskqueue = queue.SimpleQueue()
