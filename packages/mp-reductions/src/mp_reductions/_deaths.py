@@ -7,13 +7,16 @@ Note [deaths explained]: three facts, each read where it can be read and never g
 - the exit: ``multiprocessing``'s exit code, minus the signal's number for a signal (named: ``SIGKILL``);
 - the OOM killer: the kernel counts each process it kills for want of memory in the victim's memory cgroup
   (cgroup v2 ``memory.events`` ``oom_kill``, hierarchical; cgroup v1 ``memory.oom_control`` ``oom_kill``, that
-  cgroup's own) *before* it sends the SIGKILL. ``OomCounter`` reads the counter of the pool's cgroup (found from
-  /proc/self/cgroup and the mounts in /proc/self/mountinfo; the root of a v2 hierarchy has no ``memory.events``:
-  its counter is the machine's, /proc/vmstat's). A worker that died of SIGKILL was killed by the OOM killer when
-  the counter went above both its value when that worker started and the last count given to an earlier death
-  (``OomCounter.claim``): each count explains one death, so a second SIGKILL (``kill -9``) after an OOM kill is
-  not blamed on it. When no counter can be read, nothing is said about the OOM killer; when one can and it did
-  not rise, the SIGKILL came from elsewhere, and the message says so;
+  cgroup's own) *before* it sends the SIGKILL. ``OomCounter`` reads the counter of the worker's cgroup (found from
+  /proc/PID/cgroup and the mounts in /proc/self/mountinfo; the root of a v2 hierarchy has no ``memory.events``:
+  its counter is the machine's, /proc/vmstat's): the pool's own as a rule, another where a fork server started
+  before its parent moved to another cgroup starts the workers in its own. A worker that died of SIGKILL was
+  killed by the OOM killer when that counter went above both its value when the worker started and the last
+  count given to an earlier death (``OomCounter.claim``): each count explains one death, so a second SIGKILL
+  (``kill -9``) after an OOM kill is not blamed on it. (An OOM kill of another process of the same cgroup, not
+  the pool's, while a worker runs would be: the counter does not say whom it counted.) When no counter can be
+  read, nothing is said about the OOM killer; when one can and it did not rise, the SIGKILL came from elsewhere,
+  and the message says so;
 - the resident size: the parent samples each live worker's /proc/PID/status (``VmRSS``, ``VmHWM``: the peak)
   every ``RSS_INTERVAL`` seconds (``Sampler``); a dead worker's /proc entry has no memory left to read, so the
   message gives the last sample and its age (a task that allocates fast is killed between samples: the peak
@@ -104,6 +107,17 @@ class OomCounter:
     def __init__(self, path: str | None = None, key: str = "oom_kill"):
         self.path, self.key = (path, key) if path is not None else _find_counter()
         self.claimed = 0  # the count the last OOM death was given
+        self.others: dict[str, OomCounter] = {}  # the counters of other cgroups workers started in
+
+    def of(self, pid: int) -> OomCounter:
+        """The counter of process ``pid``'s memory cgroup: this one, or another's (a forkserver started before
+        its parent moved to another cgroup starts its workers in its own)."""
+        path, key = _find_counter(str(pid))
+        if path is None or path == self.path:
+            return self
+        if path not in self.others:
+            self.others[path] = OomCounter(path, key)
+        return self.others[path]
 
     def read(self) -> int | None:
         if self.path is None:
@@ -131,10 +145,11 @@ class OomCounter:
         return False
 
 
-def _find_counter() -> tuple[str | None, str]:
-    """(the file holding the memory cgroup's OOM-kill count, its key), or (None, "") where there is none."""
+def _find_counter(pid: str = "self") -> tuple[str | None, str]:
+    """(the file holding process ``pid``'s memory cgroup's OOM-kill count, its key), or (None, "") where there is
+    none."""
     try:
-        with open("/proc/self/cgroup") as f:
+        with open(f"/proc/{pid}/cgroup") as f:
             lines = f.read().splitlines()
         with open("/proc/self/mountinfo") as f:
             mounts = [line.split() for line in f]

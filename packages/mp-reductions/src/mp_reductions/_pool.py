@@ -757,7 +757,7 @@ class _Slots:
         self.unwatched = False  # the watchdog stops
         self.sampler = _deaths.Sampler()
         self.oom = _deaths.OomCounter()
-        self.oom_base: dict[int, int | None] = {}  # pid -> the OOM count when it started
+        self.oom_base: dict[int, tuple] = {}  # pid -> (its cgroup's OomCounter, the count when it started)
         self.named = None  # the last job whose function the task handler recorded
 
     def put(self, task) -> None:
@@ -941,8 +941,8 @@ class _Slots:
             # how it died (Note [deaths explained]): a timeout of ours, the OOM killer, its last resident size
             self.ending.pop(w.pid, None)
             timed = self.timed_out.pop(w.pid, None)
-            base = self.oom_base.pop(w.pid, None)
-            oom = self.oom.claim(base) if w.exitcode == -signal.SIGKILL and timed is None else None
+            counter, base = self.oom_base.pop(w.pid, (self.oom, None))
+            oom = counter.claim(base) if w.exitcode == -signal.SIGKILL and timed is None else None
             self.deaths.append((k, w.pid, w.exitcode, taken, (timed, oom, self.sampler.forget(w.pid))))
 
     def starting(self, k: int):
@@ -950,7 +950,8 @@ class _Slots:
         return self.oom.read(), self.clock.row(k)
 
     def started(self, w, oom_base) -> None:
-        self.oom_base[w.pid] = oom_base
+        counter = self.oom.of(w.pid)  # its cgroup's: the pool's as a rule (Note [deaths explained])
+        self.oom_base[w.pid] = (counter, oom_base if counter is self.oom else counter.read())
 
     def watch(self) -> None:
         """The watchdog thread: ends the workers of tasks past their limit, samples the workers' resident size
