@@ -3,8 +3,9 @@
 ``import arraymp as mp``: every public name of ``multiprocessing``, and the
 Queue, SimpleQueue, JoinableQueue, Pipe and Pool of ``mp`` and of
 ``mp.get_context(...)`` move numpy arrays through shared memory instead of
-pickled copies; the Pool also survives dead workers (``WorkerLostError``), and
-``mp.ProcessPoolExecutor`` is ``concurrent.futures``' API over that Pool, with
+pickled copies; the Pool also survives dead workers (``WorkerLostError`` says
+how they died) and ends tasks past their limit (``task_timeout``:
+``TaskTimeoutError``), and ``mp.ProcessPoolExecutor`` is ``concurrent.futures``' API over that Pool, with
 Python 3.14's API on every version. Importing arraymp registers the array
 reductions with the stdlib's ForkingPickler once, so stdlib queues and
 spawn-time Process arguments share arrays too. Also: sharing strategies,
@@ -21,6 +22,7 @@ if not sys.platform.startswith("linux"):  # pragma: no cover
 import multiprocessing as _mp
 
 from mp_reductions import (
+    TaskTimeoutError,
     WorkerLostError,
     WorkerStartError,
     empty_shared,
@@ -64,6 +66,7 @@ __all__ = [
     "ProcessPoolExecutor",
     "ProcessRaisedException",
     "SpawnContext",
+    "TaskTimeoutError",
     "WorkerLostError",
     "WorkerStartError",
     "empty_shared",

@@ -57,18 +57,20 @@ class _ArrayContext:
 
         return Pipe(duplex)
 
-    def Pool(self, processes=None, initializer=None, initargs=(), maxtasksperchild=None, *, shared_results=True):
+    def Pool(self, processes=None, initializer=None, initargs=(), maxtasksperchild=None, *, shared_results=True,
+             task_timeout=None):
         from mp_reductions import Pool
 
         return Pool(processes, initializer, initargs, maxtasksperchild, context=self.get_context(),
-                    shared_results=shared_results)
+                    shared_results=shared_results, task_timeout=task_timeout)
 
     def ProcessPoolExecutor(self, max_workers=None, initializer=None, initargs=(), max_tasks_per_child=None, *,
-                            shared_results=True):
+                            shared_results=True, task_timeout=None):
         from ._executor import ProcessPoolExecutor
 
         return ProcessPoolExecutor(max_workers, self.get_context(), initializer, initargs,
-                                   max_tasks_per_child=max_tasks_per_child, shared_results=shared_results)
+                                   max_tasks_per_child=max_tasks_per_child, shared_results=shared_results,
+                                   task_timeout=task_timeout)
 
     def get_context(self, method=None, **kwargs):
         if method is None:

@@ -18,6 +18,11 @@ What changed from the stdlib, and why:
   Pool's ``WorkerStartError`` as the cause. A worker that dies idle is replaced, as the Pool replaces it (the
   stdlib's breaks). A call that cannot be pickled, or a result that cannot be unpickled, fails its own future (the
   stdlib breaks the executor for the second: it cannot tell whose result it was).
+- ``task_timeout`` (and ``submit(..., task_timeout=)`` for one call): a call still running after that many seconds
+  has its worker ended and replaced (mp_reductions Note [task timeouts]); its future fails with
+  ``TaskTimeoutError`` (a ``TimeoutError``) and the executor goes on: a deliberate loss breaks nothing. The
+  per-call keyword is ``task_timeout``, not ``timeout``: submit passes its other keywords to the function, and
+  ``submit(requests.get, url, timeout=5)`` must keep meaning what it means with the stdlib's executor.
 - Workers retired at ``max_tasks_per_child`` are replaced (the stdlib's hangs there up to 3.13, gh-115634).
 - Python 3.14's API on every version: ``map(..., buffersize=)`` (``mp_reductions.executor_map``),
   ``terminate_workers()``, ``kill_workers()``.
@@ -38,6 +43,7 @@ from concurrent import futures
 from concurrent.futures.process import BrokenProcessPool
 
 from mp_reductions import Pool, WorkerLostError, WorkerStartError, executor_map
+from mp_reductions._pool import check_timeout
 
 from ._context import default_context
 
@@ -55,11 +61,15 @@ class ProcessPoolExecutor(futures.ProcessPoolExecutor):
     (``mp_reductions.shared_allocation``). A worker that dies breaks the executor (``BrokenProcessPool``, whose
     cause is the ``WorkerLostError`` naming the worker and its exit code); workers retired at
     ``max_tasks_per_child`` are replaced. ``map`` takes ``buffersize``, and ``terminate_workers()`` /
-    ``kill_workers()`` exist, on every Python version (new in 3.14's). See Note [executor dispatch].
+    ``kill_workers()`` exist, on every Python version (new in 3.14's). ``task_timeout`` (seconds; None: no
+    limit), or ``submit(fn, *args, task_timeout=s, **kwargs)`` for one call: a call running longer has its worker
+    ended and replaced, and its future fails with ``TaskTimeoutError``; the executor goes on. See Note [executor
+    dispatch].
     """
 
     def __init__(self, max_workers=None, mp_context=None, initializer=None, initargs=(), *,
-                 max_tasks_per_child=None, shared_results=True):
+                 max_tasks_per_child=None, shared_results=True, task_timeout=None):
+        task_timeout = check_timeout(task_timeout, "task_timeout")
         # The stdlib's checks and messages; never its __init__, which builds the private classes this replaces.
         if max_workers is None:
             max_workers = getattr(os, "process_cpu_count", os.cpu_count)() or 1
@@ -82,9 +92,10 @@ class ProcessPoolExecutor(futures.ProcessPoolExecutor):
         self._initializer, self._initargs = initializer, initargs
         self._max_tasks_per_child = max_tasks_per_child
         self._shared_results = shared_results
+        self._task_timeout = task_timeout
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when nothing is pending or running
-        self._pending: collections.deque = collections.deque()  # (future, fn, args, kwargs), not given to the Pool
+        self._pending: collections.deque = collections.deque()  # (future, fn, args, kwargs, limit): not in the Pool
         self._running: dict = {}  # future -> None: given to the Pool, not settled
         self._pool: Pool | None = None  # made at the first submit
         self._shutdown = False
@@ -97,7 +108,8 @@ class ProcessPoolExecutor(futures.ProcessPoolExecutor):
         pool = self._pool
         return {} if pool is None else {p.pid: p for p in list(pool._pool)}
 
-    def submit(self, fn, /, *args, **kwargs):
+    def submit(self, fn, /, *args, task_timeout=None, **kwargs):
+        task_timeout = check_timeout(task_timeout, "task_timeout")
         with self._lock:
             if self._broken:
                 raise BrokenProcessPool(self._broken)
@@ -106,13 +118,17 @@ class ProcessPoolExecutor(futures.ProcessPoolExecutor):
             if self._pool is None:
                 self._pool = Pool(self._max_workers, self._initializer, self._initargs, self._max_tasks_per_child,
                                   context=self._mp_context, shared_results=self._shared_results,
-                                  daemon=False)  # as the stdlib's workers: they may start processes
+                                  daemon=False,  # as the stdlib's workers: they may start processes
+                                  task_timeout=self._task_timeout)
             f = futures.Future()
-            self._pending.append((f, fn, args, kwargs))
+            self._pending.append((f, fn, args, kwargs, task_timeout))
             self._dispatch()
         return f
 
-    submit.__doc__ = futures.Executor.submit.__doc__
+    submit.__doc__ = futures.Executor.submit.__doc__ + """
+        ``task_timeout`` (seconds): this call's limit instead of the executor's: a call running longer has its
+        worker ended and replaced, and the future fails with ``TaskTimeoutError``. It is not passed to ``fn``.
+        """
 
     def map(self, fn, *iterables, timeout=None, chunksize=1, buffersize=None, progress=None):
         """Python 3.14's ``ProcessPoolExecutor.map``, ``buffersize`` included, on every version: an iterator of
@@ -160,12 +176,12 @@ class ProcessPoolExecutor(futures.ProcessPoolExecutor):
     def _dispatch(self) -> None:
         """Give the Pool pending calls while fewer than max_workers + 1 run (the lock held)."""
         while self._pending and len(self._running) < self._max_workers + EXTRA_QUEUED_CALLS:
-            f, fn, args, kwargs = self._pending.popleft()
+            f, fn, args, kwargs, limit = self._pending.popleft()
             if not f.set_running_or_notify_cancel():  # cancelled while pending
                 continue
             self._running[f] = None
             self._pool.apply_async(fn, args, kwargs, functools.partial(self._settle, f, True),
-                                   functools.partial(self._settle, f, False))
+                                   functools.partial(self._settle, f, False), timeout=limit)
 
     def _settle(self, f, ok: bool, value) -> None:
         """The Pool's callback for ``f`` (its result handler's thread, or its task handler's when the call could
@@ -198,7 +214,9 @@ class ProcessPoolExecutor(futures.ProcessPoolExecutor):
             self._notify_idle()
             self._start_closer()
         for future in doomed:
-            error = BrokenProcessPool(_LOST)  # one each, as the stdlib's (gh-101267): no shared traceback
+            # one each, as the stdlib's (gh-101267): no shared traceback; the cause says which worker died how
+            error = BrokenProcessPool(f"{_LOST} The first: {cause.death()}" if isinstance(cause, WorkerLostError)
+                                      else _LOST)
             error.__cause__ = cause
             try:
                 future.set_exception(error)

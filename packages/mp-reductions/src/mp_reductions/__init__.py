@@ -4,9 +4,11 @@ Pickler reductions for ``numpy.ndarray`` (registered with the stdlib's
 ``ForkingPickler`` by ``init_reductions()``), the two sharing strategies, the
 shared-array constructors, Queue / SimpleQueue / JoinableQueue / Pipe whose
 messages carry their arrays' descriptors in the same sendmsg, and a Pool over
-them that survives dead workers. ``shared_allocation()`` and
-``set_shared_allocation()`` make numpy place large arrays in shared memory
-from birth (NEP 49), so they travel with no copy at all. ``executor_map`` is
+them that survives dead workers (and says how they died) and ends tasks
+past their time limit (``task_timeout``: ``TaskTimeoutError``).
+``shared_allocation()`` and ``set_shared_allocation()`` make numpy place
+large arrays in shared memory from birth (NEP 49), so they travel with no
+copy at all. ``executor_map`` is
 Python 3.14's ``ProcessPoolExecutor.map`` (chunks, ``buffersize``) over any
 executor's ``submit``, on every Python version. ``progress_bar`` and
 ``track_progress`` draw the bar of ``progress=True`` for pools built on the
@@ -16,7 +18,7 @@ stdlib's result objects (mp-dask's).
 from ._alloc import set_shared_allocation, shared_allocation
 from ._chunks import executor_map
 from ._connection import Connection, Pipe
-from ._pool import Pool, WorkerLostError, WorkerStartError, prepare_worker
+from ._pool import Pool, TaskTimeoutError, WorkerLostError, WorkerStartError, prepare_worker
 from ._progress import progress_bar, track_progress
 from ._queues import JoinableQueue, Queue, SimpleQueue
 from ._recycle import copies_lost, message_copies
@@ -37,6 +39,7 @@ __all__ = [
     "Pool",
     "Queue",
     "SimpleQueue",
+    "TaskTimeoutError",
     "WorkerLostError",
     "WorkerStartError",
     "copies_lost",

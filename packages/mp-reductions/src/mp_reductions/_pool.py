@@ -148,6 +148,35 @@ not read (stopped, or starved on a loaded machine); meanwhile no death is
 recorded and no worker replaced, but the deaths seen before are settled and
 the live workers go on. A start that fails (a killed forkserver, no
 descriptors left) is retried after a back-off instead of killing the thread.
+
+Note [task timeouts]: each slot has a row of the pool's ``_Clock`` (a memfd
+shared with its workers: four int64s, a sequence odd while written, the job
+and index of the task running and its start by ``time.monotonic_ns``, which is
+one clock for every process of the machine). A worker writes the row as it
+starts each task and marks it idle before it sends the result (so a task whose
+result is on its way is never timed out); the parent resets it when a worker
+dies and before its replacement starts. A watchdog thread (one per pool)
+reads the rows every ``_TICK`` seconds while the pool has a ``task_timeout``
+or a call with a ``timeout`` is unfinished (else every ``RSS_INTERVAL``, to
+sample the workers' memory: Note [deaths explained] in _deaths). A task past
+its limit, measured from its start as its worker saw it (a worker still
+importing under spawn, or a task queued behind another, uses none of it), has
+its worker sent SIGTERM under the slots' lock after the row is read again
+unchanged (the task is still the one running, and the worker not reaped: its
+pid is its own), and SIGKILL ``GRACE`` seconds later if it has not died. From
+there it is a worker loss like any other (Note [lost tasks]): the worker
+handler records the death, the result handler settles it after reading every
+result the worker sent, the task running fails, the unstarted tasks of its
+message are ready again, the slot gets a new worker, and the shared memory
+the task held is given back as for a SIGKILL. The only difference is the
+error: the death record carries ``(job, i, limit)`` of the task timed out,
+and that task fails with ``TaskTimeoutError`` (a ``TimeoutError``). Should
+the worker have finished it and started the next in the microseconds between
+the second read and the signal, that next one fails with ``WorkerLostError``
+saying so. The unit is the pool's task: an ``apply`` call, an ``imap`` item at
+chunksize 1, a chunk of ``map`` (its items fail together, as a chunk whose
+function raises does; pebble's map limits chunks too). ``AsyncResult.get``'s
+``timeout`` only stops waiting, as the stdlib's.
 """
 
 from __future__ import annotations
@@ -157,6 +186,9 @@ import collections
 import fcntl
 import gc
 import logging
+import math
+import mmap
+import numbers
 import os
 import pickle
 import queue
@@ -169,13 +201,13 @@ import sys
 import termios
 import threading
 import time
-from multiprocessing import get_context, parent_process, util
+from multiprocessing import get_context, parent_process, reduction, util
 from multiprocessing import pool as mp_pool
 
 import shm_core
 import shm_manager
 
-from . import _recycle
+from . import _deaths, _recycle
 from ._alloc import moves, set_shared_allocation
 from ._channel import INLINE, Packet, check_openable, loads, recv_fds, recv_raw
 from ._hints import add_pickling_hint
@@ -196,36 +228,83 @@ _IDLE_WAIT = 0.05  # a worker that finds no task within this collects before blo
 _BACKOFF = (0.01, 1.0)  # first and longest wait before a handler retries what failed
 _WAKE = "wake"  # the head of the worker handler's nudge to the result handler: deaths were recorded
 _STARTED, _START_FAILED = "started", "start failed"  # heads of a worker's start report (Note [start failures])
+GRACE = 0.5  # seconds a timed-out task's worker has between SIGTERM and SIGKILL (Note [task timeouts])
+_TICK = 0.05  # seconds between the watchdog's checks of the running tasks while any has a limit
 
 log = logging.getLogger("mp_reductions.pool")
 
 
 class WorkerLostError(Exception):
     """Raised when a pool worker died (a signal, the out-of-memory killer, ``os._exit``)
-    while running the task whose result is asked for."""
+    while running the task whose result is asked for.
 
-    def __init__(self, pid: int, exitcode: int | None, index: int, kind: str = "task"):
+    ``signal_name`` names the signal (``"SIGKILL"``) or is None for an exit code; ``task`` names the function
+    (and, for a chunk, its items); ``oom`` is True when the pool's memory cgroup counted an OOM kill meanwhile,
+    False when it counted none, None when no counter could be read; ``rss`` is (resident bytes, peak bytes,
+    seconds before the death) of the worker's last sample, or None (Note [deaths explained])."""
+
+    def __init__(self, pid: int, exitcode: int | None, index: int, kind: str = "task", task: str | None = None,
+                 oom: bool | None = None, rss: tuple | None = None, note: str | None = None):
         self.pid, self.exitcode, self.index, self.kind = pid, exitcode, index, kind
+        self.task, self.oom, self.rss, self.note = task, oom, rss, note
         super().__init__(pid, exitcode, index, kind)
 
     @property
     def signal_name(self) -> str | None:
-        if self.exitcode is None or self.exitcode >= 0:
-            return None
-        try:
-            return signal.Signals(-self.exitcode).name
-        except ValueError:
-            return f"signal {-self.exitcode}"
+        return _deaths.signal_name(self.exitcode)
+
+    def death(self) -> str:
+        """How the worker ended and what it ran, without the remedy: "worker 12 died with signal SIGSEGV while
+        running task 0 of apply (f): a crash in native code: ..."."""
+        how, why, _ = _deaths.explain(self.exitcode, self.oom, self.rss)
+        task = f" ({self.task})" if self.task else ""
+        why = f": {why}" if why else ""
+        note = f"; {self.note}" if self.note else ""
+        return f"worker {self.pid} {how} while running task {self.index} of {self.kind}{task}{why}{note}"
 
     def __str__(self) -> str:
-        name = self.signal_name
-        how = f"died with signal {name}" if name else f"exited with code {self.exitcode}"
-        hint = " (often the out-of-memory killer: see `dmesg`)" if name == "SIGKILL" else ""
-        return (f"worker {self.pid} {how} while running task {self.index} of {self.kind}{hint}; the pool "
-                "replaced it and goes on with the other tasks; resubmit this one, or give it less memory")
+        _, _, remedy = _deaths.explain(self.exitcode, self.oom, self.rss)
+        return f"{self.death()}; the pool replaced it and goes on with the other tasks; {remedy}"
 
     def __reduce__(self):
-        return type(self), (self.pid, self.exitcode, self.index, self.kind)
+        return type(self), (self.pid, self.exitcode, self.index, self.kind, self.task, self.oom, self.rss, self.note)
+
+
+class TaskTimeoutError(TimeoutError):
+    """Raised when a pool task ran longer than its limit (the pool's ``task_timeout``, or the call's ``timeout``):
+    the pool ended the worker running it (SIGTERM, then SIGKILL after ``GRACE`` seconds), replaced it, and went on
+    (Note [task timeouts]). A chunk of ``map`` is one task: its items fail together."""
+
+    def __init__(self, limit: float, index: int, kind: str = "task", task: str | None = None, pid: int | None = None):
+        super().__init__()
+        self.limit, self.index, self.kind, self.task, self.pid = limit, index, kind, task, pid
+        self.args = (limit, index, kind, task, pid)
+
+    def __str__(self) -> str:
+        task = f" ({self.task})" if self.task else ""
+        chunk = "; a chunk is one task: chunksize=1 gives each call its own limit" if "items" in (self.task or "") \
+            else ""
+        return (f"task {self.index} of {self.kind}{task} ran past its time limit of {self.limit:g} s: the pool "
+                f"ended its worker {self.pid} (SIGTERM, then SIGKILL after {GRACE:g} s) and goes on with the other "
+                f"tasks{chunk}; make the task faster or split it, or raise the limit (the pool's task_timeout, or "
+                "apply_async's timeout)")
+
+    def __reduce__(self):
+        return type(self), self.args
+
+
+def check_timeout(value, name: str) -> float | None:
+    """``value`` as a time limit in seconds (None, or inf: no limit); TypeError / ValueError with the remedy."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds or None, not {type(value).__name__}; give the longest "
+                        "a task may run, e.g. 30.0, or None for no limit")
+    value = float(value)
+    if math.isnan(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}; give the longest a task may "
+                         "run, e.g. 30.0, or None for no limit")
+    return None if math.isinf(value) else value
 
 
 class WorkerStartError(Exception):
@@ -296,6 +375,113 @@ def _kind(result) -> str:
     if isinstance(result, mp_pool.IMapIterator):
         return "imap"
     return "apply"
+
+
+_STARS = (mp_pool.mapstar, mp_pool.starmapstar)  # a map chunk's function: its first argument is (func, chunk)
+
+
+def _describe(result, i: int) -> str | None:
+    """The task ``i`` of ``result`` for a message: its function's name, a call's arguments (an ``apply`` with a
+    limit), a chunk's items (``map`` with chunksize > 1)."""
+    func = getattr(result, "_func", None)
+    if func is None:
+        return None
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or _SHORT.repr(func)
+    args = getattr(result, "_call", None)
+    if args is not None:
+        return f"{name}{args}"
+    chunk, n = getattr(result, "_chunksize", 1), len(getattr(result, "_value", None) or ())
+    if chunk > 1 and n:
+        return f"{name}, items {i * chunk}-{min((i + 1) * chunk, n) - 1}"
+    return name
+
+
+def _call(args, kwds) -> str:
+    """``(1, 'a', key=2)``, each cut short."""
+    parts = [_SHORT.repr(a) for a in args] + [f"{k}={_SHORT.repr(v)}" for k, v in kwds.items()]
+    return f"({', '.join(parts)})"
+
+
+class _Clock:
+    """The task each slot's worker runs, and when it started as the worker saw it (Note [task timeouts]): per slot
+    four int64s [sequence, job, index, start (``time.monotonic_ns``)], in a memfd (no name: nothing to leak)
+    mapped by the parent and its workers. The sequence is odd while the worker writes; job -1: idle."""
+
+    def __init__(self, slots: int):
+        self.size = max(1, slots) * 32
+        self.fd = os.memfd_create("mp-pool-clock", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, self.size)
+            self.map = mmap.mmap(self.fd, self.size)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.words = memoryview(self.map).cast("q")
+        for k in range(max(1, slots)):
+            self.reset(k)
+
+    def reset(self, k: int) -> None:
+        """Slot ``k`` idle: its worker is dead, or not started (a dead one may have left it odd, or running)."""
+        w, b = self.words, 4 * k
+        w[b] = (w[b] | 1) + 1
+        w[b + 1] = -1
+
+    def row(self, k: int) -> _ClockRow:
+        return _ClockRow(self, k)
+
+    def read(self, k: int) -> tuple | None:
+        """(sequence, job, index, start) of slot ``k``, or None while its worker writes."""
+        w, b = self.words, 4 * k
+        seq, job, i, t0, again = w[b], w[b + 1], w[b + 2], w[b + 3], w[b]
+        return None if seq != again or seq & 1 else (seq, job, i, t0)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class _ClockRow:
+    """A worker's row of the _Clock: passed to it as is under fork, by a duplicate of the memfd otherwise."""
+
+    def __init__(self, clock, k: int):
+        self.clock, self.k = clock, k
+
+    def __reduce__(self):
+        return _rebuild_row, (reduction.DupFd(self.clock.fd), self.clock.size, self.k)
+
+    def writer(self):
+        """(words, base) for ``_started`` / ``_idle`` (the parent reset the row before it started this worker)."""
+        return self.clock.words, 4 * self.k
+
+
+class _MappedClock:
+    size = 0
+
+    def __init__(self, fd: int, size: int):
+        self.fd, self.size = -1, size
+        try:
+            self.map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.words = memoryview(self.map).cast("q")
+
+
+def _rebuild_row(dupfd, size: int, k: int) -> _ClockRow:
+    return _ClockRow(_MappedClock(dupfd.detach(), size), k)
+
+
+def _started(w, b: int, job, i) -> None:
+    if type(job) is int and type(i) is int:  # (a forged head's are not: the task fails as it would)
+        w[b] += 1
+        w[b + 1], w[b + 2], w[b + 3] = job, i, time.monotonic_ns()
+        w[b] += 1
+
+
+def _idle(w, b: int) -> None:
+    w[b] += 1
+    w[b + 1] = -1
+    w[b] += 1
 
 
 def _send(sock, head, obj) -> None:
@@ -376,10 +562,10 @@ def _next_task(reader, waiter, dirty: bool):
 
 
 def worker(inqueue, outqueue, initializer=None, initargs=(), maxtasks=None, wrap_exception=False, group=None,
-           short=None, shared_results=False):
+           short=None, shared_results=False, clock=None):
     """The stdlib's pool worker on its own slot's queue, plus the group, the heads, batches, short results
     (sent on ``short``, Note [batches]), results born in shared memory (``shared_results``: Note [shared
-    allocation]) and the garbage collections."""
+    allocation]), the running task on ``clock`` (Note [task timeouts]) and the garbage collections."""
     if maxtasks is not None and not (isinstance(maxtasks, int) and maxtasks >= 1):
         raise AssertionError(f"Maxtasks {maxtasks!r} is not valid")
     if group is not None:
@@ -405,6 +591,7 @@ def worker(inqueue, outqueue, initializer=None, initargs=(), maxtasks=None, wrap
             except Exception:  # unpicklable: the traceback on stderr says it
                 pass
             raise
+    words, base = clock.writer() if clock is not None else (None, 0)
     _send(out, _STARTED, os.getpid())
     gc.freeze()  # what it has now lives as long as it does: collections look at what tasks made only
 
@@ -420,9 +607,13 @@ def worker(inqueue, outqueue, initializer=None, initargs=(), maxtasks=None, wrap
             break
         for (job, i), task, task_fds in _unbatch(head, body, fds):
             body = fds = None
+            if words is not None:
+                _started(words, base, job, i)
             t0 = time.perf_counter()
             result = _run(task, task_fds, wrap_exception)
             now = time.perf_counter()  # one clock for the task's time and the collections'
+            if words is not None:
+                _idle(words, base)  # before its result goes: a result sent is never timed out
             _send_result(out, short, job, i, now - t0, result)
             task = task_fds = result = None
             completed += 1
@@ -585,6 +776,18 @@ class _Slots:
         self.failed: list[tuple] = []  # (job, i, error): a task that could not be sent
         self.closed = self.stopped = False
         self.broken: WorkerStartError | None = None  # set once workers keep failing to start (Note [start failures])
+        # Note [task timeouts] and Note [deaths explained]
+        self.clock = _Clock(processes)
+        self.task_timeout: float | None = None  # the pool's limit on a task's seconds
+        self.timed: set[int] = set()  # jobs with a limit of their own (apply_async's timeout), unfinished
+        self.timed_out: dict[int, tuple] = {}  # pid -> (job, i, limit): ended by the watchdog, death not recorded
+        self.ending: dict[int, tuple] = {}  # pid -> (Process, when it was sent SIGTERM): SIGKILL after GRACE
+        self.watching = threading.Event()  # set: the watchdog looks now (a call with a limit came) or stops
+        self.unwatched = False  # the watchdog stops
+        self.sampler = _deaths.Sampler()
+        self.oom = _deaths.OomCounter()
+        self.oom_base: dict[int, tuple] = {}  # pid -> (its cgroup's OomCounter, the count when it started)
+        self.named = None  # the last job whose function the task handler recorded
 
     def put(self, task) -> None:
         """Pickle ``task`` and add it to the ready ones (sent at once if a slot has room, else by the result
@@ -597,6 +800,11 @@ class _Slots:
                         _send(q._writer._sock, None, None)
             return
         job, i = task[:2]
+        if job != self.named:  # the function, for messages about the job's tasks (_describe)
+            self.named = job
+            result = self.cache.get(job)
+            if result is not None:
+                result._func = task[3][0][0] if task[2] in _STARS else task[2]
         head = pickle.dumps((job, i))
         try:
             packet = Packet(task, head=head)  # may raise: the stdlib makes it the task's error
@@ -760,9 +968,83 @@ class _Slots:
         with self.lock:
             k = self.workers.index(w)
             self.workers[k] = None
+            self.clock.reset(k)  # its task is over: the watchdog looks at the slot's next worker only
             taken = list(self.sent[k])
             del taken[len(taken) - _queued(taken, _queued_bytes(self.queues[k])):]
-            self.deaths.append((k, w.pid, w.exitcode, taken))
+            # how it died (Note [deaths explained]): a timeout of ours, the OOM killer, its last resident size
+            self.ending.pop(w.pid, None)
+            timed = self.timed_out.pop(w.pid, None)
+            counter, base = self.oom_base.pop(w.pid, (self.oom, None))
+            oom = counter.claim(base) if w.exitcode == -signal.SIGKILL and timed is None else None
+            self.deaths.append((k, w.pid, w.exitcode, taken, (timed, oom, self.sampler.forget(w.pid))))
+
+    def starting(self, k: int):
+        """The OOM count before slot ``k``'s new worker starts, and its clock row (Note [deaths explained])."""
+        return self.oom.read(), self.clock.row(k)
+
+    def started(self, w, oom_base) -> None:
+        counter = self.oom.of(w.pid)  # its cgroup's: the pool's as a rule (Note [deaths explained])
+        self.oom_base[w.pid] = (counter, oom_base if counter is self.oom else counter.read())
+
+    def watch(self) -> None:
+        """The watchdog thread: ends the workers of tasks past their limit, samples the workers' resident size
+        (Note [task timeouts], Note [deaths explained])."""
+        while not self.unwatched:
+            limited = self.task_timeout is not None or self.timed or self.ending
+            self.watching.wait(_TICK if limited else _deaths.RSS_INTERVAL)
+            self.watching.clear()
+            if self.unwatched:
+                return
+            now = time.monotonic()
+            if limited:
+                try:
+                    self._time_out(time.monotonic_ns())
+                    self._kill_late(now)
+                except Exception:  # never dies: a stuck task would hang its caller again
+                    log.exception("the pool's watchdog failed to end a task past its limit")
+            if self.sampler.due(now):
+                self.sampler.sample([w.pid for w in list(self.workers) if w is not None], now)
+
+    def _time_out(self, now_ns: int) -> None:
+        """SIGTERM to each worker whose task runs past its limit, as its clock row says."""
+        for k, w in enumerate(list(self.workers)):
+            if w is None or w.pid in self.timed_out:
+                continue
+            got = self.clock.read(k)
+            if got is None or got[1] < 0:
+                continue
+            _, job, i, t0 = got
+            limit = getattr(self.cache.get(job), "_limit", None) or self.task_timeout
+            if limit is None or now_ns - t0 < limit * 1e9:
+                continue
+            with self.lock:  # its death is not recorded meanwhile: the pid is still its own
+                popen = getattr(w, "_popen", None)
+                if self.workers[k] is not w or popen is None or popen.returncode is not None \
+                        or self.clock.read(k) != got:  # it finished (and may run another): look again
+                    continue
+                self.timed_out[w.pid] = (job, i, limit)
+                self.ending[w.pid] = (w, time.monotonic())
+                try:
+                    os.kill(w.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+
+    def _kill_late(self, now: float) -> None:
+        """SIGKILL to each worker sent SIGTERM GRACE seconds ago and not dead yet."""
+        for pid, (w, when) in list(self.ending.items()):
+            if now - when < GRACE:
+                continue
+            with self.lock:
+                popen = getattr(w, "_popen", None)
+                if self.ending.pop(pid, None) is not None and popen is not None and popen.returncode is None:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+
+    def unwatch(self) -> None:
+        self.unwatched = True
+        self.watching.set()
 
     def lost(self, k: int, taken: list) -> tuple | None:
         """Settle the death of slot ``k``'s worker, which took the messages ``taken``, once every result it sent
@@ -824,6 +1106,19 @@ class _Slots:
             _drain(q)
 
 
+def _loss(pid: int, exitcode, running: tuple, result, how: tuple) -> Exception:
+    """The error of the task ``running`` (job, i) of ``result``, whose worker ``pid`` died ``how`` (as
+    ``_Slots.exited`` records it): TaskTimeoutError if the watchdog ended it for that task, else WorkerLostError."""
+    timed, oom, rss = how
+    kind, task = _kind(result), _describe(result, running[1])
+    if timed is not None and tuple(timed[:2]) == tuple(running):
+        return TaskTimeoutError(timed[2], running[1], kind, task, pid)
+    note = None
+    if timed is not None:  # it finished the timed-out task and started this one as the SIGTERM went
+        note = f"the pool ended it as task {timed[1]} ran past its {timed[2]:g} s limit and this one started"
+    return WorkerLostError(pid, exitcode, running[1], kind, task, oom, rss, note)
+
+
 def _backoff(delay: float | None) -> float:
     return _BACKOFF[0] if delay is None else min(2 * delay, _BACKOFF[1])
 
@@ -874,6 +1169,9 @@ class _Done:
 class _ApplyResult(mp_pool.ApplyResult):
     """The stdlib's ApplyResult (its __init__ is 3.10-3.13's) with a _Done for its Event."""
 
+    _limit = None  # seconds: the call's own limit (Note [task timeouts])
+    _call = None  # its arguments, cut short, for TaskTimeoutError's message (only with a limit)
+
     def __init__(self, pool, callback, error_callback):
         self._pool = pool
         self._event = _Done()
@@ -882,6 +1180,12 @@ class _ApplyResult(mp_pool.ApplyResult):
         self._callback = callback
         self._error_callback = error_callback
         self._cache[self._job] = self
+
+    def _set(self, i, obj):
+        pool = self._pool  # (the stdlib's _set forgets it)
+        if self._limit is not None and pool is not None:
+            pool._inqueue.timed.discard(self._job)
+        super()._set(i, obj)
 
 
 class Pool(mp_pool.Pool):
@@ -896,13 +1200,20 @@ class Pool(mp_pool.Pool):
     (default True, as the stdlib's): whether the workers are daemonic
     processes; with False they may start processes of their own, as
     ``concurrent.futures``' workers can (arraymp's executor).
+    ``task_timeout`` (seconds, default None: no limit): a task still running
+    after that long has its worker ended (SIGTERM, then SIGKILL after
+    ``GRACE`` seconds) and fails with :class:`TaskTimeoutError`; the worker is
+    replaced. ``apply_async(..., timeout=)`` sets one call's limit. A chunk of
+    ``map`` is one task (Note [task timeouts]). ``AsyncResult.get(timeout)``
+    keeps the stdlib's meaning: it only stops waiting.
     """
 
     def __init__(self, processes=None, initializer=None, initargs=(), maxtasksperchild=None, context=None, *,
-                 shared_results=True, daemon=True):
+                 shared_results=True, daemon=True, task_timeout=None):
         # The stdlib's __init__ (3.10-3.13 alike), with this class's handlers as the threads' targets.
         self._pool = []
         self._state = mp_pool.INIT
+        task_timeout = check_timeout(task_timeout, "task_timeout")
         init_reductions()
         self._ctx = context or get_context()
         self._taskqueue = queue.SimpleQueue()
@@ -926,6 +1237,7 @@ class Pool(mp_pool.Pool):
 
         self._processes = processes
         self._setup_queues()
+        self._inqueue.task_timeout = task_timeout
         try:
             self._repopulate_pool()
         except Exception:
@@ -944,6 +1256,8 @@ class Pool(mp_pool.Pool):
         self._task_handler = self._thread(cls._handle_tasks, (
             self._taskqueue, self._quick_put, self._outqueue, self._pool, self._cache))
         self._result_handler = self._thread(cls._handle_results, (self._outqueue, self._inqueue, self._cache))
+        self._watchdog = threading.Thread(target=self._inqueue.watch, daemon=True, name="Pool watchdog")
+        self._watchdog.start()
         self._terminate = util.Finalize(
             self, self._terminate_pool,
             args=(self._taskqueue, self._inqueue, self._outqueue, self._pool, self._change_notifier,
@@ -951,12 +1265,25 @@ class Pool(mp_pool.Pool):
             exitpriority=15)
         self._state = mp_pool.RUN
 
-    def apply_async(self, func, args=(), kwds={}, callback=None, error_callback=None):  # noqa: B006 (the stdlib's)
-        """The stdlib's, with an _ApplyResult."""
+    def apply_async(self, func, args=(), kwds={}, callback=None, error_callback=None, *,  # noqa: B006 (the stdlib's)
+                    timeout=None):
+        """The stdlib's, with an _ApplyResult; ``timeout``: this call's limit in seconds instead of the pool's
+        ``task_timeout`` (Note [task timeouts]). The result's ``get(timeout)`` only stops waiting, as the stdlib's."""
+        limit = check_timeout(timeout, "timeout")
         self._check_running()
         result = _ApplyResult(self, callback, error_callback)
+        if limit is not None or self._inqueue.task_timeout is not None:
+            result._call = _call(args, kwds)  # for its TaskTimeoutError
+        if limit is not None:
+            result._limit = limit
+            self._inqueue.timed.add(result._job)
+            self._inqueue.watching.set()  # the watchdog looks every _TICK from now
         self._taskqueue.put(([(result._job, 0, func, args, kwds)], None))
         return result
+
+    def apply(self, func, args=(), kwds={}, *, timeout=None):  # noqa: B006 (the stdlib's)
+        """The stdlib's; ``timeout`` as ``apply_async``'s."""
+        return self.apply_async(func, args, kwds, timeout=timeout).get()
 
     def close(self) -> None:
         self._cache.closing = True  # before close's own wake of the worker handler
@@ -964,6 +1291,7 @@ class Pool(mp_pool.Pool):
 
     def join(self) -> None:
         super().join()
+        self._inqueue.unwatch()  # every worker is gone
         _recycle.release_all()  # the message segments this process keeps for reuse go with the pool
 
     # The stdlib's maps (3.11-3.14 alike), plus ``progress``: a tqdm bar advanced as results arrive (_progress.py).
@@ -1080,6 +1408,8 @@ class Pool(mp_pool.Pool):
         super()._terminate_pool(taskqueue, inqueue, outqueue, pool, change_notifier, worker_handler,
                                 task_handler, result_handler, cache)
         inqueue.drain()  # every worker and handler has been joined: nothing takes from the slots any more
+        inqueue.unwatch()
+        inqueue.clock.close()  # (its mapping goes with the object: the watchdog may be reading it)
         _recycle.release_all()
         # Nothing uses the channels any more: their descriptors go now, not when a traceback that holds the
         # pool (a `with` block left by an exception) is collected.
@@ -1096,9 +1426,10 @@ class Pool(mp_pool.Pool):
         for k, w in enumerate(inqueue.workers):
             if w is not None:
                 continue
+            oom_base, row = inqueue.starting(k)
             w = Process(ctx, target=worker, args=(inqueue.queues[k], outqueue, initializer, initargs,
                                                   maxtasksperchild, wrap_exception, group, inqueue.short,
-                                                  inqueue.shared_results))
+                                                  inqueue.shared_results, row))
             w.name = w.name.replace("Process", "PoolWorker")
             w.daemon = inqueue.daemon
             try:
@@ -1107,6 +1438,7 @@ class Pool(mp_pool.Pool):
                 if ctx.get_start_method() != "forkserver":
                     raise
                 raise RuntimeError(_FORKSERVER_DIED) from exc
+            inqueue.started(w, oom_base)
             inqueue.workers[k] = w
             pool.append(w)
             util.debug("added worker")
@@ -1252,7 +1584,7 @@ class Pool(mp_pool.Pool):
                     log.warning("the pool's result handler could not receive a result; retrying", exc_info=True)
                 delay = _backoff(delay)
                 continue  # the deaths wait until every message before them is read
-            for k, pid, exitcode, took in deaths:
+            for k, pid, exitcode, took, how in deaths:
                 if pid in started:
                     started.discard(pid)
                 elif exitcode and exitcode not in (-signal.SIGKILL, -signal.SIGTERM):
@@ -1265,7 +1597,7 @@ class Pool(mp_pool.Pool):
                 running = slots.lost(k, took)
                 result = cache.get(running[0]) if running else None
                 if result is not None:
-                    result._set(running[1], (False, WorkerLostError(pid, exitcode, running[1], _kind(result))))
+                    result._set(running[1], (False, _loss(pid, exitcode, running, result, how)))
             deaths = []
             slots.settle_failed()
         util.debug(f"result handler exiting: len(cache)={len(cache)}, thread._state={thread._state}")

@@ -7,7 +7,9 @@ torch keep working.  What changed:
 * the child sends a *record* (type name, message, formatted traceback, the
   pickled exception when it pickles) instead of only the traceback text, and it
   sends it for every ``BaseException`` (torch drops ``KeyboardInterrupt``);
-* death by a signal says what the signal usually means and what to do;
+* death by a signal says what the signal usually means and what to do; a
+  SIGKILL says whether the kernel's OOM killer sent it, where the memory
+  cgroup's counter can be read (``oom_kills``);
 * the extra attributes survive pickling.
 
 Note [error files, not pipes]
@@ -149,12 +151,25 @@ def signal_name(signum: int) -> str:
         return f"<Unknown signal {signum}>"
 
 
-def exited_message(index: int, exit_code: int, started: bool) -> tuple[str, str | None]:
-    """The torch message for a process that exited without an error record."""
+# A SIGKILL, when the memory cgroup's OOM count is known (Note [OOM kills]): True, it rose; False, it did not.
+_SIGKILL_BY = {
+    True: (
+        "killed by the kernel's OOM killer: the memory cgroup counted an OOM kill while it ran; use fewer "
+        "processes or less memory per process, or raise the memory limit"
+    ),
+    False: (
+        "sent from outside, e.g. `kill -9` or a job scheduler: the memory cgroup counted no OOM kill"
+    ),
+}
+
+
+def exited_message(index: int, exit_code: int, started: bool, oom: bool | None = None) -> tuple[str, str | None]:
+    """The torch message for a process that exited without an error record; ``oom`` for a SIGKILL: whether the
+    memory cgroup's OOM count rose (None: unknown)."""
     if exit_code < 0:
         name = signal_name(-exit_code)
         msg = f"process {index:d} terminated with signal {name}"
-        hint = SIGNAL_HINTS.get(name)
+        hint = _SIGKILL_BY[oom] if name == "SIGKILL" and oom is not None else SIGNAL_HINTS.get(name)
         if hint:
             msg += f" ({hint})"
         return msg, name
@@ -171,6 +186,57 @@ def exited_message(index: int, exit_code: int, started: bool) -> tuple[str, str 
 def raised_message(index: int, record: dict) -> str:
     """The torch message for a process whose function raised."""
     return f"\n\n-- Process {index:d} terminated with the following error:\n" + record["traceback"]
+
+
+# Note [OOM kills]
+# ~~~~~~~~~~~~~~~~
+# The kernel counts each process its OOM killer ends in the victim's memory cgroup, before it sends the SIGKILL:
+# cgroup v2 ``memory.events`` (hierarchical), cgroup v1 ``memory.oom_control`` (that cgroup's own), both
+# ``oom_kill N``. The supervisor reads the count of its own cgroup before it starts the children; a child that died
+# of SIGKILL (not sent by the supervisor) was the OOM killer's when the count went above that and above the count
+# given to an earlier such death (each count explains one death). Where no counter is readable nothing is said
+# about the OOM killer beyond the usual hint. (mp_reductions' pool does the same in its own _deaths module: the two
+# packages are installed alone.)
+
+
+def oom_kills() -> int | None:
+    """The OOM-kill count of this process's memory cgroup, or None where none can be read (Note [OOM kills])."""
+    try:
+        with open("/proc/self/cgroup") as fh:
+            groups = [line.rstrip("\n").split(":", 2) for line in fh]
+        with open("/proc/self/mountinfo") as fh:
+            mounts = [line.split() for line in fh]
+    except OSError:
+        return None
+    v1 = next((path for _, names, path in groups if "memory" in names.split(",")), None)
+    v2 = next((path for hid, names, path in groups if hid == "0" and not names), None)
+    for fields in mounts:
+        if "-" not in fields:
+            continue
+        root, point, fstype = fields[3], fields[4], fields[fields.index("-") + 1]
+        if v1 is not None and fstype == "cgroup" and "memory" in fields[-1].split(","):
+            path = os.path.join(point, _below(v1, root), "memory.oom_control")
+        elif v1 is None and v2 is not None and fstype == "cgroup2":
+            rel = _below(v2, root)
+            path = os.path.join(point, rel, "memory.events") if rel else "/proc/vmstat"  # the root: the machine's
+        else:
+            continue
+        try:
+            with open(path) as fh:
+                for line in fh:
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill":
+                        return int(value)
+        except (OSError, ValueError):
+            pass
+        return None
+    return None
+
+
+def _below(path: str, root: str) -> str:
+    if root != "/" and (path == root or path.startswith(root + "/")):
+        path = path[len(root):]
+    return path.strip("/")
 
 
 # --- the child's side -------------------------------------------------------

@@ -231,6 +231,9 @@ class ProcessContext:
         self._failure: ProcessException | None = None
         self._outcomes: dict[int, tuple[dict | None, str, bool]] = {}
         self._signalled: dict[int, float] = {}
+        # the memory cgroup's OOM count before the children started, and the last one given to a death
+        # (_errors Note [OOM kills]); start_processes sets it from before it started them
+        self._oom_base = self._oom_claimed = _errors.oom_kills()
         _live_contexts.add(self)
 
     def pids(self) -> list[int]:
@@ -351,10 +354,21 @@ class ProcessContext:
         record, fault, started = self._outcomes[index]
         if record is not None:
             return _errors.raised_exception(index, process.pid, record)
-        msg, name = _errors.exited_message(index, process.exitcode, started)
+        oom = self._oom_kill() if process.exitcode == -signal.SIGKILL and index not in self._signalled else None
+        msg, name = _errors.exited_message(index, process.exitcode, started, oom)
         if process.exitcode < 0 and fault.strip():
             msg += f"\n\n-- Python stack of process {index:d} when it received {name}:\n{fault.rstrip()}\n"
         return ProcessExitedException(msg, index, process.pid, process.exitcode, name)
+
+    def _oom_kill(self) -> bool | None:
+        """Whether a child's SIGKILL was the OOM killer's: the count rose past the last one given (None: unknown)."""
+        now = _errors.oom_kills()
+        if now is None or self._oom_claimed is None:
+            return None
+        if now > self._oom_claimed:
+            self._oom_claimed += 1
+            return True
+        return False
 
     def _wait(self, seconds: float) -> None:
         """Wait up to ``seconds`` for every unjoined process."""
@@ -583,6 +597,7 @@ def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method
     if start_method != "fork":
         for process, path in zip(processes, error_files, strict=True):
             process.name += _NAME_TAG + path  # Note [unguarded main]
+    oom_base = _errors.oom_kills()  # before any child runs (_errors Note [OOM kills])
     try:
         _start_all(processes, start_method)
     except BaseException as exc:
@@ -600,6 +615,7 @@ def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method
         for process in processes:
             process.name = process.name.partition(_NAME_TAG)[0]
     context = ProcessContext(processes, error_files)
+    context._oom_base = context._oom_claimed = oom_base
     context._error_dir = error_dir
     # Removes the directory when every process is joined, or when the context
     # is dropped or the interpreter exits, whichever comes first.

@@ -1,0 +1,5 @@
+from _deaths_suite import DeathsSuite
+
+
+class TestDeathsFork(DeathsSuite):
+    method = "fork"

@@ -1,0 +1,5 @@
+from _deaths_suite import DeathsSuite
+
+
+class TestDeathsForkserver(DeathsSuite):
+    method = "forkserver"

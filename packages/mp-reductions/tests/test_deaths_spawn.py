@@ -1,0 +1,5 @@
+from _deaths_suite import DeathsSuite
+
+
+class TestDeathsSpawn(DeathsSuite):
+    method = "spawn"
