@@ -164,3 +164,14 @@ def child_exitcode():
         return None
     p.join()
     return p.exitcode
+
+
+def write_own_input(x, i):
+    """Write this task's input and say what it held: another task's write must not show (value semantics)."""
+    before = float(x[0])
+    x[0] = 1000 + i
+    return before, x.flags.writeable, float(x[-1])
+
+
+def first_and_flag(x, i):
+    return float(x[0]), x.flags.writeable

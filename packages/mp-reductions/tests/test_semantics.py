@@ -106,10 +106,25 @@ def test_is_shared_before_and_after_share_memory():
     s = mpr.share_memory(a)
     assert mpr.is_shared(s) and mpr.is_shared(s[3:, ::2]) and np.array_equal(a, s)
     assert mpr.share_memory(s) is s
-    d = mpr.share_memory({"w": a, "b": [np.zeros(3), (np.ones(2), "x")], "n": 1})
+    given = {"w": a, "b": [np.zeros(3), (np.ones(2), "x")], "n": 1}
+    inner = given["b"]
+    d = mpr.share_memory(given)
     assert mpr.is_shared(d["w"]) and mpr.is_shared(d["b"][0]) and mpr.is_shared(d["b"][1][0])
     assert d["n"] == 1 and d["b"][1][1] == "x"
     assert segment_of(d["w"])[0] is segment_of(d["b"][0])[0]  # one segment for the whole dict
+    # the dict and the list are updated in place (only the caller's references keep the originals: a Hogwild
+    # program that shares its parameters holds one copy of them, not two); the tuple is new
+    assert d is given and d["b"] is inner and mpr.is_shared(given["w"])
+
+
+def test_share_memory_lets_the_originals_go():
+    import weakref
+
+    params = {"w": np.ones(100_000), "layers": [np.zeros(50_000), np.zeros(50_000)]}
+    refs = [weakref.ref(params["w"]), *map(weakref.ref, params["layers"])]
+    mpr.share_memory(params)
+    assert all(r() is None for r in refs)  # nothing but the dict held them: gone, with no collection needed
+    assert all(mpr.is_shared(x) for x in (params["w"], *params["layers"]))
 
 
 def test_readonly_stays_readonly(strategy):

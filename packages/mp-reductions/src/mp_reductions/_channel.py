@@ -110,7 +110,7 @@ def _pickle(obj, out: Outgoing, head: bytes = b"") -> tuple[Outgoing, memoryview
         try:
             return _pickle_once(obj, out, head)
         except CopyMiss:  # the pooled copy segment was too small: once more, with a new one
-            return _pickle_once(obj, Outgoing(pooled=False, moves=out.moves), head)
+            return _pickle_once(obj, Outgoing(pooled=False, moves=out.moves, inputs=out.inputs), head)
     except shm_core.SharedMemoryFullError:
         # No room for the copies of the message's unshared arrays (all in one segment): they travel in the
         # pickle instead, as the stdlib sends them (a Pool's chunk of results each of which would fit, a small
@@ -417,12 +417,13 @@ class Packet:
 
     __slots__ = ("buffers", "fds", "keep", "out")
 
-    def __init__(self, obj=None, *, raw: bytes | None = None, head: bytes = b"", moves: frozenset = frozenset()):
+    def __init__(self, obj=None, *, raw: bytes | None = None, head: bytes = b"", moves: frozenset = frozenset(),
+                 inputs: dict | None = None):
         bare = encode(obj) if raw is None and not head and type(obj) is np.ndarray else None
         if bare is not None:  # Note [bare arrays]
             payload, out = bare
         elif raw is None:
-            out, payload = _pickle(obj, Outgoing(moves=moves), head)
+            out, payload = _pickle(obj, Outgoing(moves=moves, inputs=inputs), head)
         else:
             out, payload = NOTHING, raw
         if len(payload) > INLINE or out.buffers:

@@ -788,6 +788,7 @@ class _Slots:
         self.oom = _deaths.OomCounter()
         self.oom_base: dict[int, tuple] = {}  # pid -> (its cgroup's OomCounter, the count when it started)
         self.named = None  # the last job whose function the task handler recorded
+        self.inputs: dict | None = None  # that job's table of inputs sent (_reductions Note [inputs once per call])
 
     def put(self, task) -> None:
         """Pickle ``task`` and add it to the ready ones (sent at once if a slot has room, else by the result
@@ -805,9 +806,11 @@ class _Slots:
             result = self.cache.get(job)
             if result is not None:
                 result._func = task[3][0][0] if task[2] in _STARS else task[2]
+            self.inputs = self.cache.inputs.setdefault(job, {}) if isinstance(
+                result, (mp_pool.MapResult, mp_pool.IMapIterator)) else None  # _reductions Note [inputs once per call]
         head = pickle.dumps((job, i))
         try:
-            packet = Packet(task, head=head)  # may raise: the stdlib makes it the task's error
+            packet = Packet(task, head=head, inputs=self.inputs)  # may raise: the stdlib makes it the task's error
         except Exception as e:
             add_pickling_hint(e, task)  # a lambda: say what to do
             raise
@@ -1129,8 +1132,13 @@ class _Cache(mp_pool._PoolCache):
 
     closing = False
 
+    def __init__(self, *args, **kwds):
+        super().__init__(*args, **kwds)
+        self.inputs: dict = {}  # job -> the unshared arrays its messages sent (_reductions Note [inputs once per call])
+
     def __delitem__(self, item):
         dict.__delitem__(self, item)
+        self.inputs.pop(item, None)
         if not self and self.closing:
             self.notifier.put(None)
 

@@ -36,8 +36,9 @@ seconds free and untaken (a reaper thread), however long its receivers held
 it first (a Pool's map sends all its copies at once and they come back
 together, a second or more later: dropping them by the time they were sent
 would make the next map fault in fresh ones). Recent mappings are dropped
-``IDLE`` seconds after their last arrival. Both go at once when memory runs
-out, and at exit.
+``IDLE`` seconds after their last arrival. Each is bounded in bytes too
+(``keep_bytes``: an eighth of the memory, 2 GiB at most;
+the oldest go first), and both go at once when memory runs out, and at exit.
 """
 
 from __future__ import annotations
@@ -57,7 +58,25 @@ from ._strategy import get_sharing_strategy
 REFS = shm_core.VIEWS_OFFSET  # messages in flight + processes with views (Note [recycling])
 IDLE = float(os.environ.get("ARRAYMP_RECYCLE_IDLE", "1.0"))
 POOL_MAX = 128  # pooled segments per process (a Pool's whole map in flight: its copies come back together)
-KEEP_BYTES = 2 << 30  # bytes each of the pool and the kept mappings may hold
+KEEP_MAX = 2 << 30  # bytes each of the pool and the kept mappings may hold at most (keep_bytes)
+KEEP_SHARE = 8  # ... and at most this fraction of the machine's memory
+
+
+def keep_bytes() -> int:
+    """The bytes each of the pool and the kept mappings may hold: kept segments hold memory (tmpfs pages are
+    memory) that no array uses, so a bound in bytes and not only in time (IDLE): KEEP_MAX, or 1/KEEP_SHARE of
+    the machine's memory, the smaller. (A full shm dir needs no bound here: a segment that does not fit gives
+    the pool back first, _shared.new_segment.) Read once."""
+    global _keep_bytes
+    if _keep_bytes is None:
+        try:
+            _keep_bytes = min(KEEP_MAX, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // KEEP_SHARE)
+        except (OSError, ValueError):
+            _keep_bytes = KEEP_MAX
+    return _keep_bytes
+
+
+_keep_bytes: int | None = None
 BUSY_IDLES = 5  # IDLE periods a pooled segment may stay busy (Note [recycling]: a message never received)
 
 
@@ -200,12 +219,12 @@ def _pool_returned(st: _State) -> None:
 
 
 def _over(pool: list) -> bool:
-    """More pooled than POOL_MAX segments, KEEP_BYTES bytes, or memfd segments than a quarter of the
+    """More pooled than POOL_MAX segments, keep_bytes() bytes, or memfd segments than a quarter of the
     descriptor budget (each keeps its descriptor: more would push live arrays' out of the LRU, _shared
     Note [descriptors])."""
     memfds = sum(not entry[0].name for entry in pool)
     return (len(pool) > POOL_MAX or memfds > _shared.fd_budget() // 4
-            or sum(entry[0].length for entry in pool) > KEEP_BYTES)
+            or sum(entry[0].length for entry in pool) > keep_bytes())
 
 
 def copies_lost(segments) -> None:
@@ -230,7 +249,7 @@ def received(seg: shm_core.Segment) -> None:
         recent[seg.key] = (seg, now)
         if known is None:
             st.recent_bytes += seg.length
-            while st.recent_bytes > KEEP_BYTES and recent:
+            while st.recent_bytes > keep_bytes() and recent:
                 _, (old_seg, _) = recent.popitem(last=False)
                 st.recent_bytes -= old_seg.length
         _ensure_reaper(st)

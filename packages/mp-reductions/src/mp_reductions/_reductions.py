@@ -62,10 +62,12 @@ class Outgoing:
     spilled: shm_core.Segment | None = None  # its pickle and out-of-band buffers (_channel Note [spills])
     buffers: list = ()  # the out-of-band buffers (pickle.PickleBuffer) the pickle names, in order
 
-    def __init__(self, pooled: bool = True, copy_inline: bool = False, moves: frozenset = frozenset()):
+    def __init__(self, pooled: bool = True, copy_inline: bool = False, moves: frozenset = frozenset(),
+                 inputs: dict | None = None):
         self.pooled = pooled  # file_system: the copy may go into a pooled segment chosen at the first copy
         self.copy_inline = copy_inline  # unshared arrays and buffers inline whatever their size: shared memory is full
         self.moves = moves  # ids of born-private arrays it moves as handles (_alloc Note [moving results])
+        self.inputs = inputs  # the unshared arrays a Pool call sent (Note [inputs once per call]), or None
 
     def _start(self) -> None:
         """The message names shared memory: make its lists."""
@@ -124,6 +126,24 @@ class Outgoing:
                 self._copy_ref = ("c", len(self.fds))
                 self.fds.append(-1)  # filled by finish()
         return self._copy_ref, offset
+
+    def input_copy(self, arr: np.ndarray) -> np.ndarray | None:
+        """The shared copy of ``arr`` made for this message's call, when the call sent ``arr`` before (made now, at
+        its second message); None: copy it into this message (Note [inputs once per call])."""
+        if self.inputs is None or self.copy_inline:
+            return None
+        key = id(arr)
+        entry = self.inputs.get(key)
+        if entry is None or entry[0]() is not arr:
+            # weakly: an imap over a generator must not keep every input alive; the entry goes with the array
+            self.inputs[key] = [weakref.ref(arr, lambda _, table=self.inputs, key=key: table.pop(key, None)), None]
+            return None
+        if entry[1] is None:
+            try:
+                entry[1] = _shared.shared_copy(arr)
+            except OSError:  # shared memory full: a copy in each message, as before
+                return None
+        return entry[1]
 
     def out_of_band(self, buf) -> bool:
         """The pickler's ``buffer_callback``: False (out of band, into the message's spill) for a contiguous
@@ -298,12 +318,16 @@ def reduce_ndarray(arr: np.ndarray):
         # gone before the receiver asks for the descriptor (Note [channels we do not own]): a copy in the
         # pickle, as the stdlib sends it
         return _inline(arr)
+    rebuild = rebuild_ndarray
     if found is None:
-        if outgoing:
+        shared = ctx.input_copy(arr) if outgoing else _shared.shared_copy(arr)  # (``readonly`` was read before)
+        if shared is None:
             ref, offset = ctx.copy_ref(arr)
             # size None: the message's segment grows while the message is pickled
             return rebuild_ndarray, (ref, None, offset, arr.shape, None, _dtype(arr.dtype), readonly)
-        arr = _shared.shared_copy(arr)  # a writable copy: ``readonly`` was read before
+        if outgoing:
+            rebuild = rebuild_own_copy  # each task its own copy, as from the stdlib's pickle
+        arr = shared
         found = _shared.segment_of(arr)
     seg, offset = found
     strides = None if arr.flags.c_contiguous else arr.strides
@@ -315,12 +339,12 @@ def reduce_ndarray(arr: np.ndarray):
     args = (ref, seg.size, offset, arr.shape, strides, _dtype(arr.dtype), readonly)
     block = _shared.block_of(arr, seg)
     if block is None:
-        return rebuild_ndarray, args
+        return rebuild, args
     if outgoing:
         ctx.block_ref(seg, block)
     else:
         seg.fetch_add(shm_core.HEADER_SIZE + block, 1)  # in flight, as _counted
-    return rebuild_ndarray, (*args, block)
+    return rebuild, (*args, block)
 
 
 def _inline(arr: np.ndarray) -> tuple:
@@ -507,6 +531,29 @@ def rebuild_ndarray(ref, size, offset, shape, strides, dtype, readonly, block=No
         ctx.viewed(ref[:2], seg)  # once per segment per message, as the sender counted
     else:
         seg.fetch_add(_recycle.REFS, -1)  # counted per array by the reducer (_counted)
+    return arr
+
+
+# Note [inputs once per call]: a Pool call whose tasks all take the same unshared array (``partial(f, big)``,
+# ``starmap`` of ``(big, i)`` pairs) copied it into a new message segment for every task: a 256 MiB input cost a
+# copy per task and one segment per task in flight (+0.8 GiB in the issue's run). The Pool gives the messages of one
+# call (job) one ``inputs`` table, id -> [weak reference to the array, its shared copy]. An array's first message
+# copies it as before (the
+# task gets a view of that segment: no copy on arrival); its second makes one shared copy (``shared_copy``: a
+# recycled segment) that this and every later message of the call name as a handle. Each such task rebuilds its
+# own private copy from it (``rebuild_own_copy``), as the stdlib's unpickling gives each task its own array: a task
+# that writes its input never changes another's. An entry holds its array weakly (an id is the array's only while
+# it lives: the entry goes with it, and a new array with the same id is a new entry), and the table goes when the
+# call's result is complete (the Pool's cache entry goes: _Cache); the shared copy's segment then goes back to the
+# recycling pool once the last task's view is gone (_recycle Note [recycling]). Only map-like calls have a table
+# (an apply sends one task). A caller who changes the array while the call runs: the stdlib's tasks pickled later
+# see the change, ours after the first two do not.
+def rebuild_own_copy(ref, size, offset, shape, strides, dtype, readonly, block=None):
+    """An input a Pool call shares once for all its tasks (Note [inputs once per call]): this task's own copy."""
+    view = rebuild_ndarray(ref, size, offset, shape, strides, dtype, readonly, block)
+    arr = view.copy(order="K")
+    if readonly:
+        arr.flags.writeable = False
     return arr
 
 

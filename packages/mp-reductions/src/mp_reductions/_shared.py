@@ -507,6 +507,17 @@ def empty_shared(shape, dtype=float, order: str = "C") -> np.ndarray:
 
         _recycle.received(seg)  # the arena outlives its arrays while in use (Note [arenas])
         return np.ndarray(shape, dtype, buffer=_block_base(seg, block, size, counted=True), strides=strides)
+    from . import _alloc  # (it imports this module)
+
+    if nbytes >= _alloc.THRESHOLD and get_sharing_strategy() == "file_descriptor":
+        # Born shared (_alloc Note [shared allocation]), in a recycled segment, already faulted in, that goes back
+        # to the pool when numpy frees the array, as a shared_allocation() array's does. A new segment per array
+        # instead faulted in fresh pages on every write of a batch pipeline (a third of the speed), and each
+        # receiver kept one dead segment per batch mapped for a second (1.3 GiB in the issue's run).
+        with _alloc.shared_allocation():
+            arr = np.empty(shape, dtype, order)
+        if segment_of(arr) is not None:
+            return arr
     # large, or no arena fits in memory: a segment of the array's own size (its error names what was asked)
     return new_segment(nbytes).ndarray(shape, dtype, 0, strides)
 
@@ -576,11 +587,16 @@ def is_shared(arr) -> bool:
 
 
 def share_memory(obj):
-    """A shared copy of ``obj``: an array, or a dict / list / tuple of them (nested).
+    """``obj`` with its arrays in shared memory: an array, or a dict / list / tuple of them (nested).
 
-    Arrays already shared are kept as they are; all the others are packed into
-    one segment (one mapping, one descriptor however many arrays), which is how
-    a model's parameters should be shared before starting workers.
+    Arrays already shared are kept as they are; all the others are copied,
+    packed into one segment (one mapping, one descriptor however many arrays),
+    which is how a model's parameters should be shared before starting workers.
+    A dict or a list is updated in place (each unshared array in it replaced by
+    its shared copy) and returned, so the originals go once nothing else holds
+    them; a tuple or a lone array cannot be: a new one is returned, and the
+    caller must drop its own reference to the original (``params =
+    share_memory(params)``), or the program holds both copies.
     """
     todo = []
     _collect(obj, todo)
@@ -616,13 +632,19 @@ def _collect(o, todo: list) -> None:
 
 
 def _rebuild(o, copies: dict):
+    """``o`` with ``copies`` in place of its arrays: dicts and lists updated in place, tuples new."""
     if type(o) is np.ndarray:
         return copies.get(id(o), o)
     if isinstance(o, dict):
-        return type(o)((k, _rebuild(v, copies)) for k, v in o.items())
+        for k, v in o.items():
+            o[k] = _rebuild(v, copies)  # (values replaced, no key added: the iteration holds)
+        return o
+    if isinstance(o, list):
+        o[:] = [_rebuild(v, copies) for v in o]
+        return o
     if isinstance(o, tuple) and hasattr(o, "_fields"):
         return type(o)(*(_rebuild(v, copies) for v in o))
-    if isinstance(o, (list, tuple)):
+    if isinstance(o, tuple):
         return type(o)(_rebuild(v, copies) for v in o)
     return o
 
