@@ -208,8 +208,13 @@ def stdlib_suite(session):
 
 @nox.session
 def lint(session):
-    session.install("ruff")
+    """ruff, then mypy over every package's src ([tool.mypy] in pyproject.toml names them), with numpy for its
+    types; then tests/test_typing.py: what a user's type checker says of ``mp.Pool().map`` and the queues. The
+    packages are read from their folders (mypy_path), not installed."""
+    session.install("ruff", "mypy", "numpy", "pytest")
     session.run("ruff", "check", ".")
+    session.run("mypy")
+    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "tests/test_typing.py", *session.posargs)
 
 
 @nox.session

@@ -20,6 +20,7 @@ if not sys.platform.startswith("linux"):  # pragma: no cover
     raise ImportError(f"arraymp supports Linux only (memfd, SCM_RIGHTS, futex); this is {sys.platform}")
 
 import multiprocessing as _mp
+from typing import TYPE_CHECKING
 
 from mp_reductions import (
     TaskTimeoutError,
@@ -57,6 +58,28 @@ globals().update({name: getattr(_mp, name) for name in _mp.__all__})
 globals().update({name: getattr(_default_context, name) for name in _mp.__all__ if hasattr(_default_context, name)})
 
 _init_reductions()
+
+if TYPE_CHECKING:  # what the two updates above make, spelled out for type checkers (as typeshed's multiprocessing)
+    # the classes, as typeshed's: `q: mp.Queue[int] = mp.Queue()`
+    from mp_reductions import JoinableQueue, Queue, SimpleQueue  # noqa: F401
+    from mp_spawn import (  # noqa: F401
+        ProcessContext,
+        ProcessException,
+        ProcessExitedException,
+        ProcessRaisedException,
+        SpawnContext,
+        spawn,
+        start_processes,
+    )
+
+    from ._executor import ProcessPoolExecutor  # noqa: F401
+
+    Pipe = _default_context.Pipe
+    Pool = _default_context.Pool
+    get_context = _default_context.get_context
+
+    # the rest of the stdlib's names (ours above stay: the checker keeps the first binding)
+    from multiprocessing import *  # type: ignore[assignment]  # noqa: E402, F403
 
 __all__ = [
     *_mp.__all__,

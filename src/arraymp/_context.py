@@ -16,9 +16,18 @@ import os
 import signal
 from multiprocessing import context as mpc
 from multiprocessing import process as mp_process
+from typing import TYPE_CHECKING, Any, Literal, Self, overload
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+
+    from mp_dask import DaskContext
+    from mp_reductions import Connection, JoinableQueue, Pool, Queue, SimpleQueue
+
+    from ._executor import ProcessPoolExecutor
 
 
-def _interrupt(self) -> None:
+def _interrupt(self: mp_process.BaseProcess) -> None:
     """Send the process SIGINT (Python 3.14's ``Process.interrupt``): a KeyboardInterrupt in its target, unless the
     target handles SIGINT. Nothing happens once it has exited."""
     if self.exitcode is None and self.pid is not None:  # not reaped yet: the pid is still this process's
@@ -31,62 +40,74 @@ def _interrupt(self) -> None:
 # multiprocessing.Process, as in torch.multiprocessing), so on 3.11-3.13 the method is added to it where missing:
 # one method the stdlib lacks, nothing it has is changed.
 if not hasattr(mp_process.BaseProcess, "interrupt"):
-    mp_process.BaseProcess.interrupt = _interrupt
+    mp_process.BaseProcess.interrupt = _interrupt  # type: ignore[attr-defined]  # (typeshed: 3.14's)
 
 
 class _ArrayContext:
     """Mixed into each stdlib context: the channels that move arrays by shared memory."""
 
-    def Queue(self, maxsize=0):
+    def Queue(self, maxsize: int = 0) -> Queue[Any]:
         from mp_reductions import Queue
 
         return Queue(maxsize, ctx=self.get_context())
 
-    def JoinableQueue(self, maxsize=0):
+    def JoinableQueue(self, maxsize: int = 0) -> JoinableQueue[Any]:
         from mp_reductions import JoinableQueue
 
         return JoinableQueue(maxsize, ctx=self.get_context())
 
-    def SimpleQueue(self):
+    def SimpleQueue(self) -> SimpleQueue[Any]:
         from mp_reductions import SimpleQueue
 
         return SimpleQueue(ctx=self.get_context())
 
-    def Pipe(self, duplex=True):
+    def Pipe(self, duplex: bool = True) -> tuple[Connection[Any, Any], Connection[Any, Any]]:
         from mp_reductions import Pipe
 
         return Pipe(duplex)
 
-    def Pool(self, processes=None, initializer=None, initargs=(), maxtasksperchild=None, *, shared_results=True,
-             task_timeout=None):
+    def Pool(self, processes: int | None = None, initializer: Callable[..., object] | None = None,
+             initargs: Iterable[Any] = (), maxtasksperchild: int | None = None, *, shared_results: bool = True,
+             task_timeout: float | None = None) -> Pool:
         from mp_reductions import Pool
 
         return Pool(processes, initializer, initargs, maxtasksperchild, context=self.get_context(),
                     shared_results=shared_results, task_timeout=task_timeout)
 
-    def ProcessPoolExecutor(self, max_workers=None, initializer=None, initargs=(), max_tasks_per_child=None, *,
-                            shared_results=True, task_timeout=None):
+    def ProcessPoolExecutor(self, max_workers: int | None = None, initializer: Callable[..., object] | None = None,
+                            initargs: Iterable[Any] = (), max_tasks_per_child: int | None = None, *,
+                            shared_results: bool = True, task_timeout: float | None = None) -> ProcessPoolExecutor:
         from ._executor import ProcessPoolExecutor
 
         return ProcessPoolExecutor(max_workers, self.get_context(), initializer, initargs,
                                    max_tasks_per_child=max_tasks_per_child, shared_results=shared_results,
                                    task_timeout=task_timeout)
 
-    def get_context(self, method=None, **kwargs):
+    @overload
+    def get_context(self, method: None = None) -> Self: ...
+    @overload
+    def get_context(self, method: Literal["fork"]) -> ForkContext: ...
+    @overload
+    def get_context(self, method: Literal["spawn"]) -> SpawnContext: ...
+    @overload
+    def get_context(self, method: Literal["forkserver"]) -> ForkServerContext: ...
+    @overload
+    def get_context(self, method: str, **kwargs: Any) -> Any: ...  # "dask": mp_dask.DaskContext
+    def get_context(self, method: str | None = None, **kwargs: Any) -> Any:
         if method is None:
             return self
         if method == "dask":
             return _dask_context(**kwargs)
         _no_options(method, kwargs)
-        return _CONTEXTS[method] if method in _CONTEXTS else super().get_context(method)
+        return _CONTEXTS[method] if method in _CONTEXTS else super().get_context(method)  # type: ignore[misc]
 
 
-def _no_options(method, kwargs) -> None:
+def _no_options(method: str, kwargs: dict[str, Any]) -> None:
     if kwargs:
         raise TypeError(f"get_context({method!r}) takes no options ({', '.join(kwargs)}); only 'dask' does")
 
 
-def _dask_context(**kwargs):
+def _dask_context(**kwargs: Any) -> DaskContext:
     """``get_context("dask", address=None, n_workers=None, threads_per_worker=1, same_node=True, **cluster_kwargs)``."""
     try:
         import mp_dask
@@ -98,15 +119,15 @@ def _dask_context(**kwargs):
     return mp_dask.get_context(**kwargs)
 
 
-class ForkContext(_ArrayContext, mpc.ForkContext):
+class ForkContext(_ArrayContext, mpc.ForkContext):  # type: ignore[misc]  # get_context(): self, not a DefaultContext
     pass
 
 
-class SpawnContext(_ArrayContext, mpc.SpawnContext):
+class SpawnContext(_ArrayContext, mpc.SpawnContext):  # type: ignore[misc]  # get_context(): self, not a DefaultContext
     pass
 
 
-class ForkServerContext(_ArrayContext, mpc.ForkServerContext):
+class ForkServerContext(_ArrayContext, mpc.ForkServerContext):  # type: ignore[misc]  # get_context(): self, not a DefaultContext
     pass
 
 
@@ -118,7 +139,17 @@ class DefaultContext(_ArrayContext, mpc.BaseContext):
 
     Process = multiprocessing.Process
 
-    def get_context(self, method=None, **kwargs):
+    @overload  # type: ignore[override]
+    def get_context(self, method: None = None) -> _ArrayContext: ...
+    @overload
+    def get_context(self, method: Literal["fork"]) -> ForkContext: ...
+    @overload
+    def get_context(self, method: Literal["spawn"]) -> SpawnContext: ...
+    @overload
+    def get_context(self, method: Literal["forkserver"]) -> ForkServerContext: ...
+    @overload
+    def get_context(self, method: str, **kwargs: Any) -> Any: ...  # "dask": mp_dask.DaskContext
+    def get_context(self, method: str | None = None, **kwargs: Any) -> Any:
         if method is None:
             method = multiprocessing.get_start_method()
         if method == "dask":
@@ -138,13 +169,13 @@ class DefaultContext(_ArrayContext, mpc.BaseContext):
     def get_all_start_methods(self):
         return multiprocessing.get_all_start_methods()
 
-    def Queue(self, maxsize=0):
+    def Queue(self, maxsize: int = 0) -> Queue[Any]:
         return self.get_context().Queue(maxsize)
 
-    def JoinableQueue(self, maxsize=0):
+    def JoinableQueue(self, maxsize: int = 0) -> JoinableQueue[Any]:
         return self.get_context().JoinableQueue(maxsize)
 
-    def SimpleQueue(self):
+    def SimpleQueue(self) -> SimpleQueue[Any]:
         return self.get_context().SimpleQueue()
 
 

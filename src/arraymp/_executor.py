@@ -39,13 +39,17 @@ import collections
 import functools
 import os
 import threading
+from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from concurrent.futures.process import BrokenProcessPool
+from typing import Any, TypeVar
 
 from mp_reductions import Pool, WorkerLostError, WorkerStartError, executor_map
 from mp_reductions._pool import check_timeout
 
 from ._context import default_context
+
+_R = TypeVar("_R")
 
 EXTRA_QUEUED_CALLS = 1  # running futures beyond max_workers, as the stdlib's call queue holds
 _BROKEN = "A child process terminated abruptly, the process pool is not usable anymore"  # the stdlib's messages
@@ -99,11 +103,12 @@ class ProcessPoolExecutor(futures.ProcessPoolExecutor):
         self._running: dict = {}  # future -> None: given to the Pool, not settled
         self._pool: Pool | None = None  # made at the first submit
         self._shutdown = False
-        self._broken: str | None = None  # the message of BrokenProcessPool for a later submit
+        # the message of BrokenProcessPool for a later submit (typeshed's is a bool)
+        self._broken: str | None = None  # type: ignore[assignment]
         self._closer: threading.Thread | None = None
 
-    @property
-    def _processes(self) -> dict:
+    @property  # the stdlib's attribute, read-only here
+    def _processes(self) -> dict:  # type: ignore[override]
         """The pool's workers by pid, as the stdlib's attribute (third-party code reads it)."""
         pool = self._pool
         return {} if pool is None else {p.pid: p for p in list(pool._pool)}
@@ -125,12 +130,13 @@ class ProcessPoolExecutor(futures.ProcessPoolExecutor):
             self._dispatch()
         return f
 
-    submit.__doc__ = futures.Executor.submit.__doc__ + """
+    submit.__doc__ = (futures.Executor.submit.__doc__ or "") + """
         ``task_timeout`` (seconds): this call's limit instead of the executor's: a call running longer has its
         worker ended and replaced, and the future fails with ``TaskTimeoutError``. It is not passed to ``fn``.
         """
 
-    def map(self, fn, *iterables, timeout=None, chunksize=1, buffersize=None, progress=None):
+    def map(self, fn: Callable[..., _R], *iterables: Iterable[Any], timeout: float | None = None, chunksize: int = 1,
+            buffersize: int | None = None, progress: bool | dict[str, Any] | None = None) -> Iterator[_R]:
         """Python 3.14's ``ProcessPoolExecutor.map``, ``buffersize`` included, on every version: an iterator of
         ``fn(*args)`` for the arguments of ``zip(*iterables)``, in order, the calls sent ``chunksize`` to a task;
         with ``buffersize``, at most that many tasks submitted and not yet yielded (the iterables read lazily).

@@ -18,24 +18,30 @@ import os
 import socket
 from multiprocessing import connection as mp_connection
 from multiprocessing import reduction, util
+from typing import Any, Generic, TypeVar
 
 from ._channel import Packet, loads_kept, recv_raw, recv_stream, send_stream, socket_from_fd, socketpair
 from ._queues import _wait_readable
 from ._reductions import init_reductions
 
+_SendT_contra = TypeVar("_SendT_contra", contravariant=True)
+_RecvT_co = TypeVar("_RecvT_co", covariant=True)
 
-class Connection(mp_connection.Connection):
-    """One end of a ``Pipe`` (a stream socket), or of a SimpleQueue (a seqpacket one)."""
 
-    _sock = None
+class Connection(mp_connection.Connection, Generic[_SendT_contra, _RecvT_co]):
+    """One end of a ``Pipe`` (a stream socket), or of a SimpleQueue (a seqpacket one); as the stdlib's, generic
+    over what it sends and receives for a type checker: ``Connection[Request, Reply]``."""
 
-    def __init__(self, sock: socket.socket, readable: bool = True, writable: bool = True):
+    _sock: socket.socket = None  # type: ignore[assignment]  # None once closed: _check() raises
+
+    def __init__(self, sock: socket.socket, readable: bool = True, writable: bool = True) -> None:
         if not readable and not writable:
             raise ValueError("at least one of `readable` and `writable` must be True")
         self._sock, self._readable, self._writable = sock, readable, writable
-        self._pending = collections.deque()  # taken but not opened yet (_channel Note [opening named segments])
+        # taken but not opened yet (_channel Note [opening named segments])
+        self._pending: collections.deque[Any] = collections.deque()
         if sock.type == socket.SOCK_STREAM:
-            self._send, self._recv = self._send_stream, self._recv_stream
+            self._send, self._recv = self._send_stream, self._recv_stream  # type: ignore[method-assign]
 
     def _send(self, obj=None, raw=None) -> None:
         Packet(obj, raw=raw).send(self._sock)
@@ -76,7 +82,7 @@ class Connection(mp_connection.Connection):
     def close(self) -> None:
         if self._sock is not None:
             self._sock.close()
-            self._sock = None
+            self._sock = None  # type: ignore[assignment]
 
     def __enter__(self):
         return self
@@ -87,11 +93,11 @@ class Connection(mp_connection.Connection):
     def __del__(self):
         self.close()
 
-    def send(self, obj) -> None:
+    def send(self, obj: _SendT_contra) -> None:
         self._check(writable=True)
         self._send(obj)
 
-    def recv(self):
+    def recv(self) -> _RecvT_co:
         self._check(readable=True)
         msg = self._next()
         try:
@@ -161,7 +167,7 @@ def _rebuild_connection(dupfd, readable, writable, kind):
     return Connection(socket_from_fd(dupfd.detach(), kind), readable, writable)
 
 
-def Pipe(duplex: bool = True) -> tuple[Connection, Connection]:
+def Pipe(duplex: bool = True) -> tuple[Connection[Any, Any], Connection[Any, Any]]:
     """Two connected ends; ``duplex=False`` gives (receive-only, send-only) as the stdlib does."""
     a, b = socketpair(socket.SOCK_STREAM)
     if duplex:

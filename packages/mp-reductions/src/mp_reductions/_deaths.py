@@ -59,10 +59,11 @@ def signal_name(exitcode: int | None) -> str | None:
 
 def size(n: int) -> str:
     """``n`` bytes for people: 612 MiB."""
+    x = float(n)
     for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "bytes" else f"{n:.3g} {unit}"
-        n /= 1024
+        if x < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "bytes" else f"{x:.3g} {unit}"
+        x /= 1024
     raise AssertionError  # pragma: no cover
 
 

@@ -203,6 +203,7 @@ import threading
 import time
 from multiprocessing import get_context, parent_process, reduction, util
 from multiprocessing import pool as mp_pool
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import shm_core
 import shm_manager
@@ -232,6 +233,14 @@ GRACE = 0.5  # seconds a timed-out task's worker has between SIGTERM and SIGKILL
 _TICK = 0.05  # seconds between the watchdog's checks of the running tasks while any has a limit
 
 log = logging.getLogger("mp_reductions.pool")
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Iterator
+
+_S = TypeVar("_S")
+_R = TypeVar("_R")
+# progress=: True, or a dict of tqdm's options (_progress.py)
+_Progress = bool | dict[str, Any] | None
 
 
 class WorkerLostError(Exception):
@@ -377,7 +386,9 @@ def _kind(result) -> str:
     return "apply"
 
 
-_STARS = (mp_pool.mapstar, mp_pool.starmapstar)  # a map chunk's function: its first argument is (func, chunk)
+# a map chunk's function: its first argument is (func, chunk) (undocumented names: not in typeshed's stubs)
+_mapstar, _starmapstar = mp_pool.mapstar, mp_pool.starmapstar  # type: ignore[attr-defined]
+_STARS = (_mapstar, _starmapstar)
 
 
 def _describe(result, i: int) -> str | None:
@@ -680,8 +691,8 @@ def _run(body, fds, wrap_exception: bool) -> tuple:
         body = None
         return True, func(*args, **kwds)
     except Exception as e:
-        if wrap_exception and func is not mp_pool._helper_reraises_exception:
-            e = mp_pool.ExceptionWithTraceback(e, e.__traceback__)
+        if wrap_exception and func is not mp_pool._helper_reraises_exception:  # type: ignore[attr-defined]
+            e = mp_pool.ExceptionWithTraceback(e, e.__traceback__)  # type: ignore[attr-defined]
         return False, e
 
 
@@ -707,10 +718,10 @@ def _message(items: list[tuple]) -> list:
             *bodies]
 
 
-def _encoding_error(exc: Exception, value) -> mp_pool.MaybeEncodingError:
+def _encoding_error(exc: Exception, value) -> mp_pool.MaybeEncodingError:  # type: ignore[name-defined]
     """The stdlib's MaybeEncodingError, its value's repr cut short: its reason comes last in its message, and must
     not be buried after a screenful of arrays."""
-    error = mp_pool.MaybeEncodingError(exc, None)
+    error = mp_pool.MaybeEncodingError(exc, None)  # type: ignore[attr-defined]
     error.value = _SHORT.repr(value)
     error.args = (error.exc, error.value)
     return error
@@ -757,8 +768,8 @@ class _Slots:
         self.daemon = daemon  # the workers are daemonic processes (the stdlib Pool's are; the executor's are not)
         self.lock = threading.Lock()  # taken directly where no one waits: a Condition's with costs more
         self.cond = threading.Condition(self.lock)
-        self.queues = [SimpleQueue() for _ in range(processes)]
-        self.short = SimpleQueue()  # the workers' short results (Note [batches])
+        self.queues: list[SimpleQueue[Any]] = [SimpleQueue() for _ in range(processes)]
+        self.short: SimpleQueue[Any] = SimpleQueue()  # the workers' short results (Note [batches])
         self.workers: list = [None] * processes  # the Process serving each slot, None while it has none
         # per slot, its unfinished messages in the order sent: [the (job, i)s not finished yet, bytes, its ready
         # entries (a batch's, to send again those a dead worker never started: Note [batches])]
@@ -1126,7 +1137,7 @@ def _backoff(delay: float | None) -> float:
     return _BACKOFF[0] if delay is None else min(2 * delay, _BACKOFF[1])
 
 
-class _Cache(mp_pool._PoolCache):
+class _Cache(mp_pool._PoolCache):  # type: ignore[name-defined]  # undocumented
     """The stdlib's cache of pending results, which wakes the worker handler when it empties only once ``closing``
     (see the module docstring)."""
 
@@ -1305,23 +1316,35 @@ class Pool(mp_pool.Pool):
     # The stdlib's maps (3.11-3.14 alike), plus ``progress``: a tqdm bar advanced as results arrive (_progress.py).
     # Without it, each is the stdlib's own.
 
-    def map(self, func, iterable, chunksize=None, *, progress=None):
+    def map(self, func: Callable[[_S], _R], iterable: Iterable[_S], chunksize: int | None = None, *,
+            progress: _Progress = None) -> list[_R]:
         """The stdlib's; ``progress=True`` (or a dict of tqdm's options, e.g. ``{"desc": "fit"}``) draws a progress
         bar on stderr where it is a terminal."""
-        return self._map_async(func, iterable, mp_pool.mapstar, chunksize, progress=progress).get()
+        return self._map_async(func, iterable, _mapstar,
+                               chunksize, progress=progress).get()
 
-    def starmap(self, func, iterable, chunksize=None, *, progress=None):
+    def starmap(self, func: Callable[..., _R], iterable: Iterable[Iterable[Any]], chunksize: int | None = None, *,
+                progress: _Progress = None) -> list[_R]:
         """The stdlib's, with ``progress`` as ``map``'s."""
-        return self._map_async(func, iterable, mp_pool.starmapstar, chunksize, progress=progress).get()
+        return self._map_async(func, iterable, _starmapstar,
+                               chunksize, progress=progress).get()
 
-    def map_async(self, func, iterable, chunksize=None, callback=None, error_callback=None, *, progress=None):
+    def map_async(self, func: Callable[[_S], _R], iterable: Iterable[_S], chunksize: int | None = None,
+                  callback: Callable[[list[_R]], object] | None = None,
+                  error_callback: Callable[[BaseException], object] | None = None, *,
+                  progress: _Progress = None) -> mp_pool.MapResult[_R]:
         """The stdlib's, with ``progress`` as ``map``'s."""
-        return self._map_async(func, iterable, mp_pool.mapstar, chunksize, callback, error_callback,
+        return self._map_async(func, iterable, _mapstar,
+                               chunksize, callback, error_callback,
                                progress=progress)
 
-    def starmap_async(self, func, iterable, chunksize=None, callback=None, error_callback=None, *, progress=None):
+    def starmap_async(self, func: Callable[..., _R], iterable: Iterable[Iterable[Any]], chunksize: int | None = None,
+                      callback: Callable[[list[_R]], object] | None = None,
+                      error_callback: Callable[[BaseException], object] | None = None, *,
+                      progress: _Progress = None) -> mp_pool.MapResult[_R]:
         """The stdlib's, with ``progress`` as ``map``'s."""
-        return self._map_async(func, iterable, mp_pool.starmapstar, chunksize, callback, error_callback,
+        return self._map_async(func, iterable, _starmapstar,
+                               chunksize, callback, error_callback,
                                progress=progress)
 
     def _map_async(self, func, iterable, mapper, chunksize=None, callback=None, error_callback=None, *,
@@ -1344,14 +1367,18 @@ class Pool(mp_pool.Pool):
         self._taskqueue.put((self._guarded_task_generation(result._job, mapper, task_batches), None))
         return result
 
-    def imap(self, func, iterable, chunksize=1, *, progress=None):
+    # Iterator, not the stdlib's IMapIterator: with progress and a chunksize above 1 the chunks' items come from a
+    # generator (_imap)
+    def imap(self, func: Callable[[_S], _R], iterable: Iterable[_S], chunksize: int | None = 1, *,  # type: ignore[override]
+             progress: _Progress = None) -> Iterator[_R]:
         """The stdlib's, with ``progress`` as ``map``'s (its total unknown until the iterable is read to its end,
         where it has no ``len``)."""
         if progress is None or progress is False:
             return super().imap(func, iterable, chunksize)
         return self._imap(mp_pool.IMapIterator, func, iterable, chunksize, progress)
 
-    def imap_unordered(self, func, iterable, chunksize=1, *, progress=None):
+    def imap_unordered(self, func: Callable[[_S], _R], iterable: Iterable[_S],  # type: ignore[override]  # as imap
+                       chunksize: int | None = 1, *, progress: _Progress = None) -> Iterator[_R]:
         """The stdlib's, with ``progress`` as ``imap``'s."""
         if progress is None or progress is False:
             return super().imap_unordered(func, iterable, chunksize)
@@ -1370,7 +1397,7 @@ class Pool(mp_pool.Pool):
             sizes = []
             track_progress(result, bar, sizes)
             tasks = self._guarded_task_generation(
-                result._job, mp_pool.mapstar, counted(mp_pool.Pool._get_tasks(func, iterable, chunksize), sizes))
+                result._job, _mapstar, counted(mp_pool.Pool._get_tasks(func, iterable, chunksize), sizes))
         self._taskqueue.put((tasks, result._set_length))
         return result if chunksize == 1 else (item for chunk in result for item in chunk)
 
@@ -1387,7 +1414,7 @@ class Pool(mp_pool.Pool):
     @staticmethod
     def _thread(target, args) -> threading.Thread:
         t = threading.Thread(target=target, args=args, daemon=True)
-        t._state = mp_pool.RUN
+        t._state = mp_pool.RUN  # type: ignore[attr-defined]  # the stdlib's handlers read it
         t.start()
         return t
 

@@ -41,11 +41,14 @@ import weakref
 from multiprocessing import context as mp_context
 from multiprocessing import queues as mp_queues
 from multiprocessing import reduction, util
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import shm_core
 
 from ._channel import SPIN, Packet, dequeue, loads_kept, socket_from_fd, socketpair, unpack
 from ._reductions import init_reductions
+
+_T = TypeVar("_T")
 
 _COUNT = shm_core.HEADER_SIZE  # items put and not yet got
 _UNFINISHED = _COUNT + 8  # JoinableQueue: items put and not yet task_done()
@@ -92,7 +95,8 @@ _WAITERS = _COUNT + 16  # putters waiting for room
 _CLOSE = object()
 
 
-_STDLIB_FEEDER_ERROR = mp_queues.Queue._on_queue_feeder_error  # prints the traceback; ours raises at put instead
+# prints the traceback; ours raises at put instead (undocumented: typeshed lacks it)
+_STDLIB_FEEDER_ERROR = mp_queues.Queue._on_queue_feeder_error  # type: ignore[attr-defined]
 
 
 def _wait_readable(sock: socket.socket, timeout: float | None) -> bool:
@@ -111,7 +115,7 @@ def _attach_state(fd: int) -> shm_core.Segment:
     return seg
 
 
-class SimpleQueue(mp_queues.SimpleQueue):
+class SimpleQueue(mp_queues.SimpleQueue, Generic[_T]):
     """``multiprocessing.SimpleQueue`` whose arrays travel by shared memory.
 
     Like the stdlib's, it exposes ``_reader`` / ``_writer`` connections, so
@@ -119,11 +123,12 @@ class SimpleQueue(mp_queues.SimpleQueue):
     per-process locks only: the socket needs none between processes.
     """
 
-    def __init__(self, *, ctx=None):
+    def __init__(self, *, ctx: Any = None) -> None:
         from ._connection import Connection
 
         a, b = socketpair()
-        self._reader, self._writer = Connection(a, writable=False), Connection(b, readable=False)
+        self._reader: Connection[Any, Any] = Connection(a, writable=False)
+        self._writer: Connection[Any, Any] = Connection(b, readable=False)
         self._reset()
 
     def _reset(self):
@@ -142,27 +147,34 @@ class SimpleQueue(mp_queues.SimpleQueue):
     def empty(self) -> bool:
         return not self._reader.poll()
 
-    def put(self, obj) -> None:
+    def put(self, obj: _T) -> None:
         self._writer.send(obj)
 
-    def get(self):
+    def get(self) -> _T:
         return self._reader.recv()
 
     def close(self) -> None:
         self._reader.close()
         self._writer.close()
 
-    __class_getitem__ = classmethod(types.GenericAlias)
+    __class_getitem__ = classmethod(types.GenericAlias)  # type: ignore[var-annotated]  # (Generic's, typed)
 
 
-class Queue(mp_queues.Queue):
+class Queue(mp_queues.Queue, Generic[_T]):
     """``multiprocessing.Queue`` whose arrays travel by shared memory; no lock between processes."""
 
-    _reader = _writer = _thread = None  # a half-built queue is safe to drop
+    # a half-built queue is safe to drop (None only there, where nothing but close() and __del__ runs)
+    _reader: socket.socket = None  # type: ignore[assignment]
+    _writer: socket.socket = None  # type: ignore[assignment]
+    _thread: threading.Thread | None = None
 
-    def __init__(self, maxsize: int = 0, *, ctx=None):
+    if TYPE_CHECKING:  # the stdlib's hook (undocumented, so not in typeshed): a subclass may override it
+        @staticmethod
+        def _on_queue_feeder_error(e: Exception, obj: object) -> None: ...
+
+    def __init__(self, maxsize: int = 0, *, ctx: Any = None) -> None:
         if maxsize <= 0:
-            from multiprocessing.synchronize import SEM_VALUE_MAX as maxsize
+            from multiprocessing.synchronize import SEM_VALUE_MAX as maxsize  # type: ignore[attr-defined,no-redef]
         self._maxsize = maxsize
         self._reader, self._writer = socketpair()
         self._state = shm_core.create_anonymous(24)
@@ -224,7 +236,7 @@ class Queue(mp_queues.Queue):
         if st.load(_WAITERS):
             st.futex_wake(_COUNT, 1)
 
-    def put(self, obj, block: bool = True, timeout: float | None = None) -> None:
+    def put(self, obj: _T, block: bool = True, timeout: float | None = None) -> None:
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
         self._used = True
@@ -253,7 +265,7 @@ class Queue(mp_queues.Queue):
     def _count_task(self) -> None:
         pass
 
-    def put_nowait(self, obj) -> None:
+    def put_nowait(self, obj: _T) -> None:
         return self.put(obj, False)
 
     def _start_thread(self) -> None:
@@ -300,7 +312,7 @@ class Queue(mp_queues.Queue):
             thread.join()
 
     # -- getting -----------------------------------------------------------
-    def get(self, block: bool = True, timeout: float | None = None):
+    def get(self, block: bool = True, timeout: float | None = None) -> _T:
         deadline = None if timeout is None or not block else time.monotonic() + timeout
         spin = SPIN if block else 0
         st = self._state
@@ -328,7 +340,7 @@ class Queue(mp_queues.Queue):
         self._wake_putter()
         return loads_kept(unpack(*msg), self._pending, self._reader)
 
-    def get_nowait(self):
+    def get_nowait(self) -> _T:
         return self.get(False)
 
     # -- state -------------------------------------------------------------
@@ -378,10 +390,10 @@ class Queue(mp_queues.Queue):
     def __repr__(self) -> str:
         return f"<{type(self).__name__} at {id(self):#x} maxsize={self._maxsize}>"
 
-    __class_getitem__ = classmethod(types.GenericAlias)
+    __class_getitem__ = classmethod(types.GenericAlias)  # type: ignore[var-annotated]  # (Generic's, typed)
 
 
-class JoinableQueue(Queue, mp_queues.JoinableQueue):
+class JoinableQueue(Queue[_T], mp_queues.JoinableQueue):
     """``multiprocessing.JoinableQueue``: ``task_done()`` / ``join()`` over a shared counter."""
 
     def _count_task(self) -> None:

@@ -70,7 +70,9 @@ import resource
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from multiprocessing import util
+from typing import TYPE_CHECKING, Any, Literal, SupportsIndex, TypeVar
 
 import numpy as np
 import shm_core
@@ -79,6 +81,11 @@ from shm_manager import _paths as shm_manager_paths
 
 from . import _nofile
 from ._strategy import get_sharing_strategy
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike, NDArray
+
+_T = TypeVar("_T")
 
 ALIGN = 64
 ARENA_SIZE = 4 << 20
@@ -494,7 +501,8 @@ def _nbytes(shape, dtype) -> tuple[tuple, np.dtype, int]:
     return shape, dtype, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
 
 
-def empty_shared(shape, dtype=float, order: str = "C") -> np.ndarray:
+def empty_shared(shape: SupportsIndex | Sequence[SupportsIndex], dtype: DTypeLike = float,
+                 order: Literal["C", "F"] = "C") -> NDArray[Any]:
     """A new uninitialised array in shared memory (like ``numpy.empty``)."""
     shape, dtype, nbytes = _nbytes(shape, dtype)
     if order not in ("C", "F"):
@@ -529,7 +537,8 @@ def shared_copy(arr: np.ndarray) -> np.ndarray:
     return out
 
 
-def zeros_shared(shape, dtype=float, order: str = "C") -> np.ndarray:
+def zeros_shared(shape: SupportsIndex | Sequence[SupportsIndex], dtype: DTypeLike = float,
+                 order: Literal["C", "F"] = "C") -> NDArray[Any]:
     """A new zero-filled array in shared memory (like ``numpy.zeros``)."""
     arr = empty_shared(shape, dtype, order)
     arr.fill(0)
@@ -581,12 +590,12 @@ def block_of(arr: np.ndarray, seg: shm_core.Segment) -> int | None:
     return shm_core.address(base) - seg.address - _HDR - BLOCK_HEAD
 
 
-def is_shared(arr) -> bool:
+def is_shared(arr: object) -> bool:
     """True when ``arr`` is a view of shared memory (sending it sends no copy)."""
     return isinstance(arr, np.ndarray) and segment_of(arr) is not None
 
 
-def share_memory(obj):
+def share_memory(obj: _T) -> _T:
     """``obj`` with its arrays in shared memory: an array, or a dict / list / tuple of them (nested).
 
     Arrays already shared are kept as they are; all the others are copied,

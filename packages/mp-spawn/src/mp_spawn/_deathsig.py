@@ -381,7 +381,7 @@ def _close_inheritable() -> list[tuple[int, int]]:
     reads: held by the reaper too, the child would look alive until the reaper
     ends.  Likewise the resource tracker's pipe.
     """
-    actions = []
+    actions: list[tuple[int, int]] = []
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:

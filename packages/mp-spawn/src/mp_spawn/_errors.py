@@ -65,7 +65,8 @@ class ProcessException(Exception):
         base = {"msg", "error_index", "error_pid"}
         return {k: v for k, v in self.__dict__.items() if k not in base}
 
-    def __setstate__(self, state: dict) -> None:
+    # (BaseException's takes None too; __reduce__ above always gives a dict)
+    def __setstate__(self, state: dict) -> None:  # type: ignore[override]
         self.__dict__.update(state)
 
 

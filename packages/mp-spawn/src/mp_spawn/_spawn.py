@@ -102,6 +102,8 @@ import time
 import traceback
 import warnings
 import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, overload
 
 from . import _deathsig, _errors
 from ._errors import ProcessException, ProcessExitedException, ProcessRaisedException
@@ -267,7 +269,7 @@ class ProcessContext:
             raise
         failed = []
         for sentinel in ready:
-            index = self._reap(sentinel)
+            index = self._reap(sentinel)  # type: ignore[arg-type]  # wait() gives back the ints it was given
             if self.processes[index].exitcode != 0:
                 failed.append(index)
 
@@ -378,7 +380,7 @@ class ProcessContext:
             if remaining <= 0:
                 return
             for sentinel in multiprocessing.connection.wait(list(self.sentinels), timeout=remaining):
-                self._reap(sentinel)
+                self._reap(sentinel)  # type: ignore[arg-type]  # as in join()
 
     def _terminate(self, first_wait: float | None, term_wait: float) -> None:
         """Wait, SIGTERM, wait, SIGKILL: afterwards every process is joined."""
@@ -448,7 +450,7 @@ def _combine(exceptions: list[ProcessException]) -> ProcessException:
     for other in others:
         if isinstance(other, ProcessRaisedException):
             text += f"\n\n-- Process {other.error_index:d} also failed with the following error:\n"
-            text += other.child_traceback
+            text += other.child_traceback or ""
         else:
             text += f"\n\n-- Process {other.error_index:d} also failed: {other.msg}"
     if isinstance(first, ProcessRaisedException):
@@ -562,7 +564,20 @@ def _kill_started(processes) -> None:
             pass
 
 
-def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
+@overload
+def start_processes(fn: Callable[..., object], args: Sequence[Any] = (), nprocs: int = 1, join: Literal[True] = True,
+                    daemon: bool = False, start_method: str = "spawn") -> None: ...
+@overload
+def start_processes(fn: Callable[..., object], args: Sequence[Any] = (), nprocs: int = 1, *, join: Literal[False],
+                    daemon: bool = False, start_method: str = "spawn") -> ProcessContext: ...
+@overload
+def start_processes(fn: Callable[..., object], args: Sequence[Any], nprocs: int, join: Literal[False],
+                    daemon: bool = False, start_method: str = "spawn") -> ProcessContext: ...
+@overload
+def start_processes(fn: Callable[..., object], args: Sequence[Any] = (), nprocs: int = 1, join: bool = True,
+                    daemon: bool = False, start_method: str = "spawn") -> ProcessContext | None: ...
+def start_processes(fn: Callable[..., object], args: Sequence[Any] = (), nprocs: int = 1, join: bool = True,
+                    daemon: bool = False, start_method: str = "spawn") -> ProcessContext | None:
     r"""Start ``nprocs`` processes running ``fn(i, *args)`` with ``start_method``.
 
     Like :func:`spawn`, for any of ``"spawn"``, ``"forkserver"`` and
@@ -586,7 +601,7 @@ def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method
     expected_ppid = None if start_method == "forkserver" else parent_pid
     exit_timeout = _failed_exit_timeout()
     processes = [
-        mp.Process(
+        mp.Process(  # type: ignore[attr-defined]  # typeshed's BaseContext lacks it; every context has it
             target=_wrap,
             args=(fn, i, args, error_dir, parent_pid, parent_start, expected_ppid, exit_timeout),
             daemon=daemon,
@@ -635,7 +650,20 @@ def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method
     return None
 
 
-def spawn(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
+@overload
+def spawn(fn: Callable[..., object], args: Sequence[Any] = (), nprocs: int = 1, join: Literal[True] = True,
+          daemon: bool = False, start_method: str = "spawn") -> None: ...
+@overload
+def spawn(fn: Callable[..., object], args: Sequence[Any] = (), nprocs: int = 1, *, join: Literal[False],
+          daemon: bool = False, start_method: str = "spawn") -> ProcessContext: ...
+@overload
+def spawn(fn: Callable[..., object], args: Sequence[Any], nprocs: int, join: Literal[False],
+          daemon: bool = False, start_method: str = "spawn") -> ProcessContext: ...
+@overload
+def spawn(fn: Callable[..., object], args: Sequence[Any] = (), nprocs: int = 1, join: bool = True,
+          daemon: bool = False, start_method: str = "spawn") -> ProcessContext | None: ...
+def spawn(fn: Callable[..., object], args: Sequence[Any] = (), nprocs: int = 1, join: bool = True,
+          daemon: bool = False, start_method: str = "spawn") -> ProcessContext | None:
     r"""Spawn ``nprocs`` processes that run ``fn(i, *args)``.
 
     If one of the processes exits with a non-zero exit status, the remaining
