@@ -704,13 +704,16 @@ class SpawnSuite:
 
     @pytest.mark.parametrize(
         ("signum", "hint"),
-        [(signal.SIGKILL, "out-of-memory killer"), (signal.SIGBUS, "/dev/shm full"), (signal.SIGSEGV, "native code")],
+        # SIGKILL: where the memory cgroup's OOM count can be read (Note [OOM kills]) it says none was counted (the
+        # test sent it), else the usual hint
+        [(signal.SIGKILL, "out-of-memory killer|counted no OOM kill"), (signal.SIGBUS, "/dev/shm full"),
+         (signal.SIGSEGV, "native code")],
     )
     def test_signal_hints(self, signum, hint):
         name = signal.Signals(signum).name
         with pytest.raises(ProcessExitedException, match=f"^process 0 terminated with signal {name} ") as info:
             self.start(targets.terminate_signal, args=(signum,), nprocs=1)
-        assert hint in str(info.value)
+        assert re.search(hint, str(info.value))
         assert info.value.signal_name == name
 
     def test_raised_exceptions_pickle(self):
