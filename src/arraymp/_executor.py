@@ -71,8 +71,10 @@ class ProcessPoolExecutor(futures.ProcessPoolExecutor):
     dispatch].
     """
 
-    def __init__(self, max_workers=None, mp_context=None, initializer=None, initargs=(), *,
-                 max_tasks_per_child=None, shared_results=True, task_timeout=None):
+    def __init__(self, max_workers: int | None = None, mp_context: Any = None,
+                 initializer: Callable[..., object] | None = None, initargs: Iterable[Any] = (), *,
+                 max_tasks_per_child: int | None = None, shared_results: bool = True,
+                 task_timeout: float | None = None) -> None:
         task_timeout = check_timeout(task_timeout, "task_timeout")
         # The stdlib's checks and messages; never its __init__, which builds the private classes this replaces.
         if max_workers is None:
@@ -93,7 +95,7 @@ class ProcessPoolExecutor(futures.ProcessPoolExecutor):
                                  "supply a different mp_context.")
         self._max_workers = max_workers  # the stdlib's attribute names, read by third-party code
         self._mp_context = mp_context
-        self._initializer, self._initargs = initializer, initargs
+        self._initializer, self._initargs = initializer, initargs  # type: ignore[assignment]  # (typeshed's)
         self._max_tasks_per_child = max_tasks_per_child
         self._shared_results = shared_results
         self._task_timeout = task_timeout
@@ -113,7 +115,8 @@ class ProcessPoolExecutor(futures.ProcessPoolExecutor):
         pool = self._pool
         return {} if pool is None else {p.pid: p for p in list(pool._pool)}
 
-    def submit(self, fn, /, *args, task_timeout=None, **kwargs):
+    def submit(self, fn: Callable[..., _R], /, *args: Any, task_timeout: float | None = None,  # type: ignore[override]
+               **kwargs: Any) -> futures.Future[_R]:  # (override: task_timeout, which the base's has not)
         task_timeout = check_timeout(task_timeout, "task_timeout")
         with self._lock:
             if self._broken:
@@ -125,7 +128,7 @@ class ProcessPoolExecutor(futures.ProcessPoolExecutor):
                                   context=self._mp_context, shared_results=self._shared_results,
                                   daemon=False,  # as the stdlib's workers: they may start processes
                                   task_timeout=self._task_timeout)
-            f = futures.Future()
+            f: futures.Future[_R] = futures.Future()
             self._pending.append((f, fn, args, kwargs, task_timeout))
             self._dispatch()
         return f

@@ -235,7 +235,7 @@ _TICK = 0.05  # seconds between the watchdog's checks of the running tasks while
 log = logging.getLogger("mp_reductions.pool")
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Iterator
+    from collections.abc import Callable, Iterable, Iterator, Mapping
 
 _S = TypeVar("_S")
 _R = TypeVar("_R")
@@ -1188,8 +1188,8 @@ class _Done:
 class _ApplyResult(mp_pool.ApplyResult):
     """The stdlib's ApplyResult (its __init__ is 3.10-3.13's) with a _Done for its Event."""
 
-    _limit = None  # seconds: the call's own limit (Note [task timeouts])
-    _call = None  # its arguments, cut short, for TaskTimeoutError's message (only with a limit)
+    _limit: float | None = None  # seconds: the call's own limit (Note [task timeouts])
+    _call: str | None = None  # its arguments, cut short, for TaskTimeoutError's message (only with a limit)
 
     def __init__(self, pool, callback, error_callback):
         self._pool = pool
@@ -1227,16 +1227,17 @@ class Pool(mp_pool.Pool):
     keeps the stdlib's meaning: it only stops waiting.
     """
 
-    def __init__(self, processes=None, initializer=None, initargs=(), maxtasksperchild=None, context=None, *,
-                 shared_results=True, daemon=True, task_timeout=None):
+    def __init__(self, processes: int | None = None, initializer: Callable[..., object] | None = None,
+                 initargs: Iterable[Any] = (), maxtasksperchild: int | None = None, context: Any = None, *,
+                 shared_results: bool = True, daemon: bool = True, task_timeout: float | None = None) -> None:
         # The stdlib's __init__ (3.10-3.13 alike), with this class's handlers as the threads' targets.
-        self._pool = []
+        self._pool: list = []
         self._state = mp_pool.INIT
         task_timeout = check_timeout(task_timeout, "task_timeout")
         init_reductions()
         self._ctx = context or get_context()
-        self._taskqueue = queue.SimpleQueue()
-        self._change_notifier = SimpleQueue()
+        self._taskqueue: queue.SimpleQueue = queue.SimpleQueue()
+        self._change_notifier: SimpleQueue = SimpleQueue()
         self._cache = _Cache(notifier=self._change_notifier)
         self._maxtasksperchild = maxtasksperchild
         self._initializer = initializer
@@ -1258,7 +1259,7 @@ class Pool(mp_pool.Pool):
         self._setup_queues()
         self._inqueue.task_timeout = task_timeout
         try:
-            self._repopulate_pool()
+            self._repopulate_pool()  # type: ignore[attr-defined]  # (private: tests/test_private_stdlib.py)
         except Exception:
             for p in self._pool:
                 if p.exitcode is None:
@@ -1270,9 +1271,9 @@ class Pool(mp_pool.Pool):
         cls = type(self)
         self._worker_handler = self._thread(cls._handle_workers, (
             self._cache, self._taskqueue, self._ctx, self.Process, self._processes, self._pool, self._inqueue,
-            self._outqueue, self._initializer, self._initargs, self._maxtasksperchild, self._wrap_exception,
+            self._outqueue, self._initializer, self._initargs, self._maxtasksperchild, self._wrap_exception,  # type: ignore[attr-defined]
             self._get_sentinels(), self._change_notifier))
-        self._task_handler = self._thread(cls._handle_tasks, (
+        self._task_handler = self._thread(cls._handle_tasks, (  # type: ignore[attr-defined]
             self._taskqueue, self._quick_put, self._outqueue, self._pool, self._cache))
         self._result_handler = self._thread(cls._handle_results, (self._outqueue, self._inqueue, self._cache))
         self._watchdog = threading.Thread(target=self._inqueue.watch, daemon=True, name="Pool watchdog")
@@ -1284,12 +1285,15 @@ class Pool(mp_pool.Pool):
             exitpriority=15)
         self._state = mp_pool.RUN
 
-    def apply_async(self, func, args=(), kwds={}, callback=None, error_callback=None, *,  # noqa: B006 (the stdlib's)
-                    timeout=None):
+    def apply_async(self, func: Callable[..., _R], args: Iterable[Any] = (),
+                    kwds: Mapping[str, Any] = {},  # noqa: B006 (the stdlib's)
+                    callback: Callable[[_R], object] | None = None,
+                    error_callback: Callable[[BaseException], object] | None = None, *,
+                    timeout: float | None = None) -> mp_pool.ApplyResult[_R]:
         """The stdlib's, with an _ApplyResult; ``timeout``: this call's limit in seconds instead of the pool's
         ``task_timeout`` (Note [task timeouts]). The result's ``get(timeout)`` only stops waiting, as the stdlib's."""
         limit = check_timeout(timeout, "timeout")
-        self._check_running()
+        self._check_running()  # type: ignore[attr-defined]
         result = _ApplyResult(self, callback, error_callback)
         if limit is not None or self._inqueue.task_timeout is not None:
             result._call = _call(args, kwds)  # for its TaskTimeoutError
@@ -1300,7 +1304,8 @@ class Pool(mp_pool.Pool):
         self._taskqueue.put(([(result._job, 0, func, args, kwds)], None))
         return result
 
-    def apply(self, func, args=(), kwds={}, *, timeout=None):  # noqa: B006 (the stdlib's)
+    def apply(self, func: Callable[..., _R], args: Iterable[Any] = (), kwds: Mapping[str, Any] = {}, *,  # noqa: B006
+              timeout: float | None = None) -> _R:
         """The stdlib's; ``timeout`` as ``apply_async``'s."""
         return self.apply_async(func, args, kwds, timeout=timeout).get()
 
