@@ -10,7 +10,9 @@ reductions with the stdlib's ForkingPickler once, so stdlib queues and
 spawn-time Process arguments share arrays too. Also: sharing strategies,
 shared-array constructors, and the ``spawn`` supervisor, and
 ``shared_allocation()``: large numpy arrays born in shared memory, sent with no
-copy at all.
+copy at all. ``stats()`` says what moved (``python -m arraymp stats PID``, of a
+running program), and a ``SharingStoppedWarning`` when an array meant for
+shared memory went pickled.
 """
 
 import sys
@@ -21,6 +23,7 @@ if not sys.platform.startswith("linux"):  # pragma: no cover
 import multiprocessing as _mp
 
 from mp_reductions import (
+    SharingStoppedWarning,
     WorkerLostError,
     WorkerStartError,
     empty_shared,
@@ -33,6 +36,7 @@ from mp_reductions import (
     set_sharing_strategy,
     share_memory,
     shared_allocation,
+    stats,
     zeros_shared,
 )
 from mp_reductions import (
@@ -65,6 +69,7 @@ __all__ = [
     "ProcessExitedException",
     "ProcessPoolExecutor",
     "ProcessRaisedException",
+    "SharingStoppedWarning",
     "SpawnContext",
     "WorkerLostError",
     "WorkerStartError",
@@ -80,6 +85,7 @@ __all__ = [
     "shared_allocation",
     "spawn",
     "start_processes",
+    "stats",
     "zeros_shared",
 ]
 

@@ -8,7 +8,9 @@ them that survives dead workers. ``shared_allocation()`` and
 ``set_shared_allocation()`` make numpy place large arrays in shared memory
 from birth (NEP 49), so they travel with no copy at all. ``executor_map`` is
 Python 3.14's ``ProcessPoolExecutor.map`` (chunks, ``buffersize``) over any
-executor's ``submit``, on every Python version.
+executor's ``submit``, on every Python version. ``stats()`` says what moved: messages, arrays sent as
+handles, copied or pickled, segments made and reused; ``SharingStoppedWarning`` says when an array meant for
+shared memory went pickled.
 """
 
 from ._alloc import set_shared_allocation, shared_allocation
@@ -19,6 +21,7 @@ from ._queues import JoinableQueue, Queue, SimpleQueue
 from ._recycle import copies_lost, message_copies
 from ._reductions import init_reductions, rebuild_ndarray, reduce_ndarray
 from ._shared import empty_shared, is_shared, share_memory, zeros_shared
+from ._stats import SharingStoppedWarning, Stats, stats
 from ._strategy import (
     get_all_sharing_strategies,
     get_inline_threshold,
@@ -33,7 +36,9 @@ __all__ = [
     "Pipe",
     "Pool",
     "Queue",
+    "SharingStoppedWarning",
     "SimpleQueue",
+    "Stats",
     "WorkerLostError",
     "WorkerStartError",
     "copies_lost",
@@ -53,6 +58,7 @@ __all__ = [
     "set_sharing_strategy",
     "share_memory",
     "shared_allocation",
+    "stats",
     "zeros_shared",
 ]
 
