@@ -202,6 +202,8 @@ def read(pid: int) -> Stats:
     except FileNotFoundError:
         raise ProcessLookupError(f"no process {pid} is running") from None
     except PermissionError:
+        if _zombie(pid):
+            raise ProcessLookupError(f"process {pid} has exited (its parent has not waited for it yet)") from None
         raise PermissionError(f"process {pid} is another user's: only its owner (or root) can read its "
                               "arraymp counters") from None
     seen = 0
@@ -213,9 +215,19 @@ def read(pid: int) -> Stats:
         if got is not None:
             gauges = _gauges(pid)
             return Stats(got[0], gauges, pid=pid, where=got[1])
+    if _zombie(pid):
+        raise ProcessLookupError(f"process {pid} has exited (its parent has not waited for it yet)")
     why = "its page is not valid (another arraymp version, or not written by it)" if seen else \
         "it has not imported arraymp (counters are published from `import arraymp` on)"
     raise LookupError(f"process {pid} publishes no arraymp counters: {why}")
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[:1] == [b"Z"]
+    except OSError:
+        return True
 
 
 def _read_page(pid: int, n: str) -> tuple[dict[str, int], str] | None:
@@ -260,10 +272,10 @@ class Stats:
     and ``GAUGES`` (values now); ``as_dict()``; ``str()`` is a table. A context manager: ``with arraymp.stats()
     as s:`` makes ``s`` count from the block's start (live inside it, frozen at its end)."""
 
-    __slots__ = ("_base", "_gauges", "_live", "_values", "pid", "where")
+    __slots__ = ("_base", "_gauges", "_live", "_values", "_where", "pid")
 
     def __init__(self, values: dict[str, int], gauges: dict[str, int], *, pid: int, where: str = ""):
-        self._values, self._gauges, self.pid, self.where = values, gauges, pid, where
+        self._values, self._gauges, self.pid, self._where = values, gauges, pid, where
         self._base: dict[str, int] | None = None
         self._live = False
 
@@ -280,7 +292,12 @@ class Stats:
         if self._live:
             now = dict(zip(FIELDS, _values(), strict=True))
             self._values = {k: now[k] - self._base[k] for k in FIELDS}
-            self._gauges, self._live = _gauges("self"), False
+            self._gauges, self._where, self._live = _gauges("self"), _where, False
+
+    @property
+    def where(self) -> str:
+        """Where sharing first stopped in the process (the file:line of the call that sent it), or ""."""
+        return _where if self._live else self._where
 
     def _get(self, name: str) -> int:
         if name in self._gauges:
@@ -361,7 +378,7 @@ def _human(n: float) -> str:
 def note_full(exc: BaseException) -> None:
     """A segment could not be made for a message (``exc``): said by the warning if its arrays go pickled."""
     global _full
-    _full = str(exc)
+    _full = getattr(exc, "strerror", None) or str(exc)
 
 
 def commit(out) -> None:
@@ -390,8 +407,8 @@ def sharing_stopped(arrays: int, nbytes: int, reason: str) -> None:
         f"an array of {_human(nbytes)} ({nbytes:,} bytes)"
     if reason == "full":
         why = _full or "no shared-memory segment could be made"
-        text = (f"arraymp: sharing stopped: {what} travelled pickled through the socket, not by shared memory "
-                f"(copied byte by byte, about 10x slower), because {why[:1].lower()}{why[1:]}")
+        text = (f"arraymp: sharing stopped: {what} travelled inside the pickle, not by shared memory (copied "
+                f"and pickled: many times slower). The cause: {why}")
         if not text.endswith("."):
             text += "."
     else:
