@@ -22,7 +22,7 @@ from ``/proc/PID/maps`` and ``/proc/PID/fd`` when asked, for this process and an
 
 Increments from several threads of one process are not atomic (two threads sending at once may, rarely, lose
 one; under a GIL a thread switch between the read and the write of one word is rare): exact for one sending
-and one receiving thread, as the tests use them. Which word counts what is ``FIELDS``' docstring.
+and one receiving thread, as the tests use them. ``FIELDS`` says which word counts what.
 
 Note [sharing stopped]: an unshared array of at least the inline threshold is meant for shared memory (copied
 once into a segment). Where it goes inside the pickle instead (a full shared-memory directory, or a stdlib or
@@ -81,7 +81,7 @@ _WHERE_AT = 3072  # where sharing first stopped, up to the page's end
 _NAME = re.compile(rb"[a-z][a-z0-9_]{0,63}")
 
 counts = memoryview(bytearray(8 * len(FIELDS))).cast("q")  # this process's counters (a page once published)
-_page: tuple | None = None  # (fd, mmap, the views over it) once published
+_page: tuple | None = None  # (mmap, the views over it) once published
 _warned = False
 _where = ""  # where sharing first stopped (file:line of the caller)
 _full: str = ""  # why the last segment could not be made (a SharedMemoryFullError's message)
@@ -108,10 +108,9 @@ def publish() -> None:
     fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, _PAGE)
-        mm = mmap.mmap(fd, _PAGE)
-    except BaseException:
+        mm = mmap.mmap(fd, _PAGE)  # (it keeps a descriptor of its own, close-on-exec: the one a reader finds)
+    finally:
         os.close(fd)
-        raise
     names = ",".join(FIELDS).encode()
     names_at = _COUNTS_AT + 8 * len(FIELDS)
     mm[names_at:names_at + len(names)] = names
@@ -121,7 +120,7 @@ def publish() -> None:
     new[:] = counts
     # the header last: a reader never takes a page half written for a valid one
     _HEAD.pack_into(mm, 0, _MAGIC, _VERSION, len(FIELDS), os.getpid(), names_at, len(names))
-    _page, counts = (fd, mm, (new, view, whole)), new
+    _page, counts = (mm, (new, view, whole)), new
     if _where:
         _write_where()
 
@@ -129,7 +128,7 @@ def publish() -> None:
 def _write_where() -> None:
     if _page is not None:
         data = _where.encode("utf-8", "replace")[:_PAGE - _WHERE_AT - 1]
-        _page[1][_WHERE_AT:_WHERE_AT + len(data)] = data
+        _page[0][_WHERE_AT:_WHERE_AT + len(data)] = data
 
 
 def _after_fork_in_child() -> None:
@@ -139,9 +138,9 @@ def _after_fork_in_child() -> None:
     counts = memoryview(bytearray(8 * len(FIELDS))).cast("q")
     _warned, _where, _full = False, "", ""
     if page is not None:
-        fd, mm, views = page
-        os.close(fd)
-        try:  # (a view still held somewhere keeps the mapping: it is then never written again)
+        mm, views = page
+        try:  # (a view still held somewhere keeps the mapping and its descriptor: never written again, and a
+            # reader refuses it, the pid in it the parent's)
             for v in views:
                 v.release()
             mm.close()
