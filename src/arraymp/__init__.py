@@ -11,7 +11,9 @@ reductions with the stdlib's ForkingPickler once, so stdlib queues and
 spawn-time Process arguments share arrays too. Also: sharing strategies,
 shared-array constructors, and the ``spawn`` supervisor, and
 ``shared_allocation()``: large numpy arrays born in shared memory, sent with no
-copy at all.
+copy at all. ``stats()`` says what moved (``python -m arraymp stats PID``, of a
+running program), and a ``SharingStoppedWarning`` when an array meant for
+shared memory went pickled.
 """
 
 import sys
@@ -23,6 +25,7 @@ import multiprocessing as _mp
 from typing import TYPE_CHECKING
 
 from mp_reductions import (
+    SharingStoppedWarning,
     TaskTimeoutError,
     WorkerLostError,
     WorkerStartError,
@@ -36,6 +39,7 @@ from mp_reductions import (
     set_sharing_strategy,
     share_memory,
     shared_allocation,
+    stats,
     zeros_shared,
 )
 from mp_reductions import (
@@ -88,6 +92,7 @@ __all__ = [
     "ProcessExitedException",
     "ProcessPoolExecutor",
     "ProcessRaisedException",
+    "SharingStoppedWarning",
     "SpawnContext",
     "TaskTimeoutError",
     "WorkerLostError",
@@ -104,6 +109,7 @@ __all__ = [
     "shared_allocation",
     "spawn",
     "start_processes",
+    "stats",
     "zeros_shared",
 ]
 

@@ -1,6 +1,6 @@
 """arraymp's command line (the arraymp command, or python -m arraymp): doctor
 reports what this machine offers shared memory, demo runs the main job, bench
-benchmarks queue transfers."""
+benchmarks queue transfers, stats PID shows what a running program moved."""
 
 from __future__ import annotations
 
@@ -46,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
                        help="four times the work, for steadier numbers")
     sub.add_parser("bench", help="queue transfer benchmark against the stdlib and torch (bench --help)",
                    add_help=False)
+    st = sub.add_parser("stats", help="what a running arraymp program moved: messages, arrays shared, copied or "
+                        "pickled, segments (arraymp.stats() of process PID)")
+    st.add_argument("pid", type=int, help="the process id of a running program that imported arraymp")
+    st.add_argument("--json", action="store_true", help="print a JSON object")
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         from ._bench import main as bench
@@ -57,9 +61,28 @@ def main(argv: list[str] | None = None) -> int:
         from ._doctor import main as doctor
 
         return doctor()
+    if args.command == "stats":
+        return _stats(args.pid, args.json, prog)
     from ._demo import main as demo_main
 
     return demo_main(args.scale)
+
+
+def _stats(pid: int, as_json: bool, prog: str) -> int:
+    from mp_reductions._stats import read
+
+    try:
+        s = read(pid)
+    except (LookupError, OSError) as exc:  # (ProcessLookupError, PermissionError are OSErrors)
+        print(f"{prog} stats: error: {exc}", file=sys.stderr)
+        return 1
+    if as_json:
+        import json
+
+        print(json.dumps({"pid": s.pid, **s.as_dict(), "sharing_stopped_at": s.where or None}, indent=1))
+    else:
+        print(s)
+    return 0
 
 
 if __name__ == "__main__":

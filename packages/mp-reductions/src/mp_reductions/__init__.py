@@ -12,7 +12,10 @@ copy at all. ``executor_map`` is
 Python 3.14's ``ProcessPoolExecutor.map`` (chunks, ``buffersize``) over any
 executor's ``submit``, on every Python version. ``progress_bar`` and
 ``track_progress`` draw the bar of ``progress=True`` for pools built on the
-stdlib's result objects (mp-dask's).
+stdlib's result objects (mp-dask's). ``stats()`` says what moved: messages,
+arrays sent as handles, copied or pickled, segments made and reused;
+``SharingStoppedWarning`` says when an array meant for shared memory went
+pickled.
 """
 
 from ._alloc import set_shared_allocation, shared_allocation
@@ -24,6 +27,7 @@ from ._queues import JoinableQueue, Queue, SimpleQueue
 from ._recycle import copies_lost, message_copies
 from ._reductions import init_reductions, rebuild_ndarray, reduce_ndarray
 from ._shared import empty_shared, is_shared, share_memory, zeros_shared
+from ._stats import SharingStoppedWarning, Stats, stats
 from ._strategy import (
     get_all_sharing_strategies,
     get_inline_threshold,
@@ -38,8 +42,10 @@ __all__ = [
     "Pipe",
     "Pool",
     "Queue",
+    "SharingStoppedWarning",
     "SimpleQueue",
     "TaskTimeoutError",
+    "Stats",
     "WorkerLostError",
     "WorkerStartError",
     "copies_lost",
@@ -61,6 +67,7 @@ __all__ = [
     "share_memory",
     "shared_allocation",
     "track_progress",
+    "stats",
     "zeros_shared",
 ]
 

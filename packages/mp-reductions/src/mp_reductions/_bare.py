@@ -21,7 +21,7 @@ from multiprocessing.reduction import ForkingPickler
 import numpy as np
 import shm_core
 
-from . import _recycle, _shared
+from . import _recycle, _shared, _stats
 from ._reductions import Outgoing, _received, reduce_ndarray
 from ._strategy import get_inline_threshold
 
@@ -83,7 +83,7 @@ def encode(arr: np.ndarray) -> tuple[bytes, Outgoing] | None:
             return None  # a copy into shared memory
         if arr.flags.f_contiguous and not arr.flags.c_contiguous:
             flags |= FORTRAN
-        return shm_core.pack_array(b"A", arr, code, flags, True), NOTHING
+        return shm_core.pack_array(b"A", arr, code, flags, True), _Inline(n)
     seg, offset = found
     if seg.name:
         return None  # a named segment: pickled (Outgoing.named_ref)
@@ -119,6 +119,7 @@ class _Handle:
         if self.keep:
             os.close(self.fds.pop())
             self.keep.clear()
+            _stats.counts[_stats.HANDLES_SENT] += 1
 
     def abort(self) -> None:
         """Never sent: the counts back."""
@@ -130,7 +131,26 @@ class _Handle:
                 seg.fetch_add(shm_core.HEADER_SIZE + self.block, -1)
 
 
-NOTHING = Outgoing()  # an inline array's: nothing to give back
+NOTHING = Outgoing()  # a raw message's: nothing to give back
+
+
+class _Inline:
+    """A bare inline array's Outgoing: nothing to give back; counted once sent (_stats Note [stats])."""
+
+    __slots__ = ("nbytes",)
+    handles = False
+    fds = keep = buffers = ()
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+
+    def sent(self) -> None:
+        c = _stats.counts
+        c[_stats.ARRAYS_INLINE] += 1
+        c[_stats.BYTES_INLINE] += self.nbytes
+
+    def abort(self) -> None:
+        pass
 
 
 def decode(data, fds: list[int] | None) -> np.ndarray:

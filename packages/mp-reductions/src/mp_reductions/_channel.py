@@ -37,11 +37,12 @@ from multiprocessing.reduction import ForkingPickler
 import numpy as np
 import shm_core
 
-from . import _nofile, _recycle, _shared
+from . import _nofile, _recycle, _shared, _stats
 from ._bare import BARE_KINDS, NOTHING, decode, encode
 from ._reductions import MAX_FDS, CopyMiss, Incoming, Outgoing, _received, tls
 
 INLINE = 64 * 1024
+_MESSAGES_SENT, _MESSAGES_RECEIVED = _stats.MESSAGES_SENT, _stats.MESSAGES_RECEIVED
 SPIN = int(os.environ.get("ARRAYMP_QUEUE_SPIN", "50"))  # see _queues Note [spin]
 SOCKBUF = 1 << 20
 
@@ -111,11 +112,25 @@ def _pickle(obj, out: Outgoing, head: bytes = b"") -> tuple[Outgoing, memoryview
             return _pickle_once(obj, out, head)
         except CopyMiss:  # the pooled copy segment was too small: once more, with a new one
             return _pickle_once(obj, Outgoing(pooled=False, moves=out.moves, inputs=out.inputs), head)
-    except shm_core.SharedMemoryFullError:
+    except shm_core.SharedMemoryFullError as exc:
         # No room for the copies of the message's unshared arrays (all in one segment): they travel in the
         # pickle instead, as the stdlib sends them (a Pool's chunk of results each of which would fit, a small
         # /dev/shm); only making a shared array on purpose (empty_shared, share_memory) raises.
-        return _pickle_once(obj, Outgoing(copy_inline=True, moves=out.moves), head)
+        _stats.note_full(exc)
+        return _pickle_inline(obj, out.moves, head)
+
+
+def _pickle_inline(obj, moves: frozenset, head: bytes = b"") -> tuple[Outgoing, memoryview]:
+    """The message pickled with every array in the pickle (shared memory is full), and said once per process
+    when one of them was meant for shared memory (_stats Note [sharing stopped]): before it is sent."""
+    out, payload = _pickle_once(obj, Outgoing(copy_inline=True, moves=moves), head)
+    if out.fallbacks:
+        try:
+            _stats.sharing_stopped(out.fallbacks, out.fallback_bytes, "full")
+        except BaseException:  # (a filter made the warning an error: nothing is sent)
+            out.abort()
+            raise
+    return out, payload
 
 
 # Note [reused pickler]: each thread keeps one _Pickler and its _Writer for the messages it pickles (making
@@ -276,6 +291,7 @@ def _spill(payload, room: int) -> list[shm_core.Segment]:
     spills = []
     for start in range(0, n, per):
         seg = shm_core.create_anonymous(min(per, n - start))
+        _stats.counts[_stats.SEGMENTS_MADE] += 1
         memoryview(seg)[:] = memoryview(payload)[start:start + per]
         spills.append(seg)
     return spills
@@ -318,7 +334,8 @@ def _spill_recycled(out: Outgoing, payload) -> tuple[bytes, Outgoing] | None:
     if seg is None or seg.size < end:
         try:
             new = _recycle.take(end)
-        except shm_core.SharedMemoryFullError:
+        except shm_core.SharedMemoryFullError as exc:
+            _stats.note_full(exc)
             if seg is not None:
                 _recycle.sent(seg)
             return None
@@ -434,7 +451,7 @@ class Packet:
                 return
             if out.buffers or type(payload) is _InSegment:  # shared memory is full: all in the pickle, in memfds
                 out.abort()
-                out, payload = _pickle(obj, Outgoing(copy_inline=True, moves=moves), head)
+                out, payload = _pickle_inline(obj, moves, head)
         self.out = out
         self.fds, self.keep = out.fds, out.keep
         if len(payload) <= INLINE:
@@ -459,6 +476,7 @@ class Packet:
         shm_core.send_fds(sock, self.buffers, self.fds, flags)
         self.keep = None
         self.out.sent()
+        _stats.counts[_MESSAGES_SENT] += 1
 
     def send_nowait(self, sock: socket.socket) -> bool:
         """Send unless the socket is full (then False: nothing was sent)."""
@@ -467,6 +485,11 @@ class Packet:
         except BlockingIOError:
             return False
         return True
+
+    def sent_along(self) -> None:
+        """Sent inside another message's buffers (a Pool's batch of plain tasks, a short result): counted as
+        that message's (``messages_sent``), its arrays now. Plain: nothing else to give back."""
+        self.out.sent()
 
     def discard(self) -> None:
         """Never sent: give back what the message held."""
@@ -493,7 +516,7 @@ def send_stream(sock: socket.socket, obj=None, *, raw=None) -> None:
             kind, payload, out = spill[0][:1], spill[0][1:], spill[1]
         elif out.buffers or type(payload) is _InSegment:  # shared memory is full: all in the pickle
             out.abort()
-            out, payload = _pickle(obj, Outgoing(copy_inline=True))
+            out, payload = _pickle_inline(obj, frozenset())
     head = _HEAD.pack(len(payload), kind[0])
     try:
         sent = shm_core.send_fds(sock, [head, payload], out.fds)
@@ -506,6 +529,7 @@ def send_stream(sock: socket.socket, obj=None, *, raw=None) -> None:
         out.abort()
         raise
     out.sent()
+    _stats.counts[_MESSAGES_SENT] += 1
 
 
 def _recv_exactly(sock: socket.socket, n: int, first: bytes = b"") -> bytearray:
@@ -542,6 +566,7 @@ def recv_stream(sock: socket.socket) -> tuple[bytearray, list[int] | None]:
         for fd in fds:
             os.close(fd)
         raise
+    _stats.counts[_MESSAGES_RECEIVED] += 1
     if kind == ord("O") and data in (b"H", b"P") and fds:
         return _unspill(data == b"H", fds)
     return data, (fds if kind == ord("H") else None)
@@ -558,6 +583,7 @@ def dequeue(sock: socket.socket, flags: int = 0) -> tuple[bytes, list[int]]:
     if not data:
         _close(fds)
         raise EOFError("the other end of the channel is closed")
+    _stats.counts[_MESSAGES_RECEIVED] += 1
     return data, fds
 
 

@@ -208,7 +208,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import shm_core
 import shm_manager
 
-from . import _deaths, _recycle
+from . import _deaths, _recycle, _stats
 from ._alloc import moves, set_shared_allocation
 from ._channel import INLINE, Packet, check_openable, loads, recv_fds, recv_raw
 from ._hints import add_pickling_hint
@@ -673,6 +673,8 @@ def _send_result(out, short, job, i, seconds: float, result: tuple) -> None:
         if short is not None and packet.plain and len(packet.buffers[1]) - len(head) <= _SHORT_MAX - _RESULT.size \
                 and type(job) is int and type(i) is int:
             short.sendmsg([_RESULT.pack(job, i, seconds), memoryview(packet.buffers[1])[len(head):]])
+            packet.sent_along()
+            _stats.counts[_stats.MESSAGES_SENT] += 1
         else:
             packet.send(out)
     except Exception as e:
@@ -865,6 +867,9 @@ class _Slots:
                     items[0][1].send(self.queues[k]._writer._sock)
                 else:
                     shm_core.send_fds(self.queues[k]._writer._sock, buffers)
+                    for _, packet, _ in items:
+                        packet.sent_along()
+                    _stats.counts[_stats.MESSAGES_SENT] += 1
             except Exception as e:
                 for task, packet, _ in items:
                     packet.discard()
@@ -1568,6 +1573,7 @@ class Pool(mp_pool.Pool):
             nonlocal short
             while short is not None:
                 got = shm_core.recv_many(short, frames, _SHORT_MAX, socket.MSG_DONTWAIT)
+                _stats.counts[_stats.MESSAGES_RECEIVED] += len(got)
                 done = []
                 for k, (n, flags) in enumerate(got):
                     if n == 0:  # its writers are gone (never while the pool lives: it holds one): stop polling it

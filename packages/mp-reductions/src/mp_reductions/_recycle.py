@@ -52,7 +52,7 @@ import time
 import numpy as np
 import shm_core
 
-from . import _shared
+from . import _shared, _stats
 from ._strategy import get_sharing_strategy
 
 REFS = shm_core.VIEWS_OFFSET  # messages in flight + processes with views (Note [recycling])
@@ -129,6 +129,7 @@ def take(nbytes: int, named: bool = False, zero: bool = False) -> shm_core.Segme
                 _shared.fd_for_sending(seg)  # its descriptor may have been closed (_shared Note [descriptors])
             if zero:
                 np.frombuffer(seg, np.uint8, nbytes).fill(0)
+            _stats.counts[_stats.SEGMENTS_REUSED] += 1
             return seg
         except OSError:
             pass

@@ -36,7 +36,7 @@ import numpy as np
 import shm_core
 import shm_manager
 
-from . import _recycle, _shared
+from . import _recycle, _shared, _stats
 from ._strategy import get_inline_threshold, get_sharing_strategy
 
 MAX_FDS = 250  # the kernel passes at most 253 descriptors in one message (SCM_MAX_FD)
@@ -61,6 +61,10 @@ class Outgoing:
     recycled: shm_core.Segment | None = None  # the message's copy segment, back to the pool once sent
     spilled: shm_core.Segment | None = None  # its pickle and out-of-band buffers (_channel Note [spills])
     buffers: list = ()  # the out-of-band buffers (pickle.PickleBuffer) the pickle names, in order
+    # what its arrays cost, added to this process's counters once it is sent (_stats Note [stats]): a message
+    # pickled again (CopyMiss, shared memory full) is counted once, as sent
+    arrays = n_handles = arrays_copied = bytes_copied = arrays_inline = bytes_inline = 0
+    fallbacks = fallback_bytes = 0
 
     def __init__(self, pooled: bool = True, copy_inline: bool = False, moves: frozenset = frozenset(),
                  inputs: dict | None = None):
@@ -112,6 +116,9 @@ class Outgoing:
 
     def copy_ref(self, arr: np.ndarray) -> tuple[tuple, int]:
         self._start()
+        self.arrays += 1
+        self.arrays_copied += 1
+        self.bytes_copied += arr.nbytes
         offset = self._copy_size
         self._copy_size = _shared._aligned(offset + arr.nbytes)
         self._copies.append((arr, offset))
@@ -148,14 +155,20 @@ class Outgoing:
     def out_of_band(self, buf) -> bool:
         """The pickler's ``buffer_callback``: False (out of band, into the message's spill) for a contiguous
         buffer of at least the inline threshold, True (in the pickle) for any other."""
-        if self.copy_inline:
-            return True
         try:
             n = buf.raw().nbytes
         except BufferError:  # not contiguous: in band, where pickle raises as the stdlib's does
             return True
         if n < get_inline_threshold():
             return True
+        if self.copy_inline:  # meant for shared memory, which is full (_stats Note [sharing stopped])
+            self.arrays += 1
+            self.fallbacks += 1
+            self.fallback_bytes += n
+            return True
+        self.arrays += 1
+        self.arrays_copied += 1
+        self.bytes_copied += n
         if not self.buffers:
             self.buffers = []
         self.buffers.append(buf)
@@ -182,6 +195,8 @@ class Outgoing:
                 seg = self.recycled = _shared.new_segment(self._copy_size, "file_system", name=self._copy_ref[1])
             elif seg.size < self._copy_size:
                 raise CopyMiss
+            else:
+                _stats.counts[_stats.SEGMENTS_REUSED] += 1  # (take_named counts nothing: it may miss)
             seg.incref()  # in flight, see _shared Note [named segments]; this process holds it for its pool
             self.keep.append(seg)
             self._index[id(seg)] = -1  # abort() gives the in-flight count back
@@ -195,6 +210,8 @@ class Outgoing:
 
     def sent(self) -> None:
         """The message is in the socket: what it held may go, its copy segment back to the pool."""
+        if self.arrays:
+            _stats.commit(self)
         if not self.handles:
             return
         self._close_fds()
@@ -298,13 +315,16 @@ def _readonly(arr: np.ndarray) -> bool:
 
 def reduce_ndarray(arr: np.ndarray):
     """The reduction of a numpy array (registered for ``numpy.ndarray`` itself)."""
-    if type(tls.ctx) is Outgoing and arr.base is None and not _shared.owned and arr.nbytes < get_inline_threshold() \
+    ctx = tls.ctx
+    if type(ctx) is Outgoing and arr.base is None and not _shared.owned and arr.nbytes < get_inline_threshold() \
             and not arr.dtype.hasobject:
+        ctx.arrays += 1
+        ctx.arrays_inline += 1
+        ctx.bytes_inline += arr.nbytes
         return _inline(arr)  # small, numpy's own memory: in no segment (Note [small arrays])
     if arr.dtype.hasobject:
         return arr.__reduce__()
     found = _shared.segment_of(arr)
-    ctx = _current()
     readonly = _readonly(arr)
     outgoing = isinstance(ctx, Outgoing)
     if found is None and outgoing and id(arr) in ctx.moves:  # _alloc Note [moving results]
@@ -317,6 +337,7 @@ def reduce_ndarray(arr: np.ndarray):
         # small, or shared memory is full (_channel._pickle), or on a channel we do not own whose sender may be
         # gone before the receiver asks for the descriptor (Note [channels we do not own]): a copy in the
         # pickle, as the stdlib sends it
+        _count_inline(ctx if outgoing else None, arr.nbytes)
         return _inline(arr)
     rebuild = rebuild_ndarray
     if found is None:
@@ -329,6 +350,14 @@ def reduce_ndarray(arr: np.ndarray):
             rebuild = rebuild_own_copy  # each task its own copy, as from the stdlib's pickle
         arr = shared
         found = _shared.segment_of(arr)
+        c = _stats.counts
+        c[_stats.ARRAYS_COPIED] += 1
+        c[_stats.BYTES_COPIED] += arr.nbytes
+    elif not outgoing:
+        _stats.counts[_stats.HANDLES_SENT] += 1
+    else:
+        ctx.arrays += 1
+        ctx.n_handles += 1
     seg, offset = found
     strides = None if arr.flags.c_contiguous else arr.strides
     if seg.name:
@@ -345,6 +374,27 @@ def reduce_ndarray(arr: np.ndarray):
     else:
         seg.fetch_add(shm_core.HEADER_SIZE + block, 1)  # in flight, as _counted
     return rebuild, (*args, block)
+
+
+def _count_inline(out: Outgoing | None, nbytes: int) -> None:
+    """Count an array sent inside the pickle; one of the inline threshold or more was meant for shared memory
+    (_stats Note [sharing stopped]). ``out``: the message's, else (a channel we do not own) counted now."""
+    fell = nbytes >= get_inline_threshold()
+    if out is not None:
+        out.arrays += 1
+        out.arrays_inline += 1
+        out.bytes_inline += nbytes
+        if fell:
+            out.fallbacks += 1
+            out.fallback_bytes += nbytes
+        return
+    c = _stats.counts
+    c[_stats.ARRAYS_INLINE] += 1
+    c[_stats.BYTES_INLINE] += nbytes
+    if fell:
+        c[_stats.FALLBACKS] += 1
+        c[_stats.FALLBACK_BYTES] += nbytes
+        _stats.sharing_stopped(1, nbytes, "channel")
 
 
 def _inline(arr: np.ndarray) -> tuple:
@@ -574,6 +624,7 @@ def init_reductions() -> None:
     if reduction.ForkingPickler._extra_reducers.get(np.ndarray) is reduce_ndarray:
         return
     reduction.ForkingPickler.register(np.ndarray, reduce_ndarray)
+    _stats.publish()  # readable by `python -m arraymp stats PID` from now on (_stats Note [stats])
     # Join (or start) this program's shm-manager group now: a child joins its
     # parent's, and a new program sweeps what dead groups left in /dev/shm.
     shm_manager.group()

@@ -79,7 +79,7 @@ import shm_core
 import shm_manager  # before our at-fork hook: a fork child gets its own daemon connection first
 from shm_manager import _paths as shm_manager_paths
 
-from . import _nofile
+from . import _nofile, _stats
 from ._strategy import get_sharing_strategy
 
 if TYPE_CHECKING:
@@ -348,8 +348,10 @@ def _create(size: int, strategy: str | None, name: str | None) -> shm_core.Segme
         with _table.lock:
             _table.add(("n", seg.name), seg)
         seg.incref()
+        _stats.counts[_stats.SEGMENTS_MADE] += 1
         return seg
     seg = shm_core.create_anonymous(size)
+    _stats.counts[_stats.SEGMENTS_MADE] += 1
     with _table.lock:
         _table.add(fd_key(seg.fd), seg)
         _table.keep_fd(seg)
