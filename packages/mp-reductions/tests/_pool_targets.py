@@ -175,3 +175,7 @@ def write_own_input(x, i):
 
 def first_and_flag(x, i):
     return float(x[0]), x.flags.writeable
+
+
+def die(_=None):
+    os.kill(os.getpid(), 9)

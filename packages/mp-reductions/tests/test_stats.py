@@ -355,3 +355,17 @@ def test_a_fork_child_does_not_write_its_parents_page():
 def test_reading_installs_no_signal_handler():
     # a reader never signals the process it reads: the page is there already (Note [stats])
     assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL and signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_worker_deaths_and_task_timeouts_are_counted(method):
+    import _pool_targets as T
+
+    with mpr.Pool(2, context=multiprocessing.get_context(method)) as pool, mpr.stats() as s:
+        with pytest.raises(mpr.WorkerLostError):
+            pool.apply(T.die)
+        with pytest.raises(mpr.TaskTimeoutError):
+            pool.apply(T.nap, (30,), timeout=0.3)
+        assert pool.apply(T.square, (3,)) == 9
+    pool.join()
+    assert (s.worker_deaths, s.task_timeouts) == (1, 1)

@@ -1131,7 +1131,9 @@ def _loss(pid: int, exitcode, running: tuple, result, how: tuple) -> Exception:
     timed, oom, rss = how
     kind, task = _kind(result), _describe(result, running[1])
     if timed is not None and tuple(timed[:2]) == tuple(running):
+        _stats.count("task_timeouts")
         return TaskTimeoutError(timed[2], running[1], kind, task, pid)
+    _stats.count("worker_deaths")
     note = None
     if timed is not None:  # it finished the timed-out task and started this one as the SIGTERM went
         note = f"the pool ended it as task {timed[1]} ran past its {timed[2]:g} s limit and this one started"

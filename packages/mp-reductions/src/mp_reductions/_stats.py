@@ -60,8 +60,8 @@ FIELDS = (
     "fallback_bytes",  # their bytes
     "segments_made",  # shared-memory segments this process made (copies, spills, arenas, shared arrays)
     "segments_reused",  # pooled segments it took again instead of making one (_recycle Note [recycling])
-    "worker_deaths",  # Pool workers that died while this process ran the pool
-    "task_timeouts",  # Pool tasks that ran past their timeout
+    "worker_deaths",  # Pool workers of this process's pools that died running a task (not ended for a timeout)
+    "task_timeouts",  # Pool tasks that ran past their time limit (their workers ended)
 )
 (MESSAGES_SENT, MESSAGES_RECEIVED, HANDLES_SENT, ARRAYS_COPIED, BYTES_COPIED, ARRAYS_INLINE, BYTES_INLINE,
  FALLBACKS, FALLBACK_BYTES, SEGMENTS_MADE, SEGMENTS_REUSED, WORKER_DEATHS, TASK_TIMEOUTS) = range(len(FIELDS))
