@@ -105,7 +105,9 @@ def test_gauges_are_what_the_process_holds_now():
     now = mpr.stats()
     assert now.segments_live == before.segments_live + 1
     assert now.descriptors_held == before.descriptors_held + 1
-    del a
+    del a  # its segment goes back to the recycling pool (empty_shared's large arrays are recycled), which holds it
+    assert mpr.stats().segments_live == before.segments_live + 1
+    _recycle.release_all()
     after = mpr.stats()
     assert after.segments_live == before.segments_live and after.descriptors_held == before.descriptors_held
 
