@@ -37,9 +37,10 @@ FOLDERS = [f"packages/{name}" for name in ("shm-core", "shm-manager", "mp-reduct
 PKG = {
     "shm_core": ["packages/shm-core"],
     "shm_manager": ["packages/shm-core", "packages/shm-manager"],
-    # pyarrow and pandas: protocol-5 buffers of other types than numpy's (tests/test_payloads.py), never a dependency
+    # pyarrow and pandas: protocol-5 buffers of other types than numpy's (tests/test_payloads.py), never a dependency;
+    # tqdm: progress= (the package raises ImportError without it, tested too)
     "mp_reductions": ["packages/shm-core", "packages/shm-manager", "packages/mp-reductions", "hypothesis", "pyarrow",
-                      "pandas"],
+                      "pandas", "tqdm"],
     "shm_cuda": ["packages/shm-core", "packages/shm-cuda[cuda12]"],  # cupy: its API is checked without a GPU
     "mp_spawn": ["packages/mp-spawn"],
     "mp_dask": [*FOLDERS, "."],  # the facade too: its get_context("dask") is tested here
