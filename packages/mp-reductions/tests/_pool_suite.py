@@ -77,6 +77,12 @@ class PoolSuite:
                 pool.apply_async(T.square, (1,)).get(TIMEOUT)
             with pytest.raises(mpr.WorkerStartError):
                 pool.imap_unordered(T.square, range(3)).next(TIMEOUT)
+            deadline = time.monotonic() + TIMEOUT
+            while pool._pool and time.monotonic() < deadline:  # every dead worker reaped, none replaced
+                time.sleep(0.01)
+            assert not pool._pool
+            with pytest.raises(mpr.WorkerStartError):  # not the stdlib's ZeroDivisionError (a chunksize by 0 workers)
+                pool.map(T.square, range(10))
             assert pickle_roundtrip(info.value).failures == info.value.failures >= 2
             pool.close()
             pool.join()

@@ -1361,17 +1361,20 @@ class Pool(mp_pool.Pool):
 
     def _map_async(self, func, iterable, mapper, chunksize=None, callback=None, error_callback=None, *,
                    progress=None):
-        if progress is None or progress is False:
-            return super()._map_async(func, iterable, mapper, chunksize, callback, error_callback)
         self._check_running()
         if not hasattr(iterable, "__len__"):
             iterable = list(iterable)
         if chunksize is None:
-            chunksize, extra = divmod(len(iterable), len(self._pool) * 4)
+            # The stdlib's rule, by the pool's size, not by its list of workers (``len(self._pool)``, as the stdlib
+            # does), which is empty while every worker is dead and none replaced yet, or for good once the pool
+            # is broken (Note [start failures]): the stdlib's division by it raised ZeroDivisionError there.
+            chunksize, extra = divmod(len(iterable), self._processes * 4)
             if extra:
                 chunksize += 1
         if len(iterable) == 0:
             chunksize = 0
+        if progress is None or progress is False:
+            return super()._map_async(func, iterable, mapper, chunksize, callback, error_callback)
         bar = progress_bar(progress, len(iterable))  # before the result: ImportError without tqdm
         task_batches = mp_pool.Pool._get_tasks(func, iterable, chunksize)
         result = mp_pool.MapResult(self, chunksize, len(iterable), callback, error_callback=error_callback)
