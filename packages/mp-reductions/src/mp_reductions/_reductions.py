@@ -23,6 +23,7 @@ unpickling (Incoming); the reducer and the rebuilder find it there.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import threading
 import weakref
@@ -628,6 +629,8 @@ def init_reductions() -> None:
     # Join (or start) this program's shm-manager group now: a child joins its
     # parent's, and a new program sweeps what dead groups left in /dev/shm.
     shm_manager.group()
+    if importlib.util.find_spec("cupy") is None:  # no cupy array to reduce: shm_cuda's import (~5 ms) not paid
+        return
     try:
         import shm_cuda
     except ImportError:
