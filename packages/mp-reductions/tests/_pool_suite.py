@@ -65,6 +65,16 @@ class PoolSuite:
         with mpr.Pool(2, initializer=T.keep, initargs=(a, np.arange(10)), context=ctx) as pool:
             assert pool.map(T.kept_sum, range(4)) == [float(a.sum()) + 45] * 4
 
+    def test_a_large_heap_kept_by_tasks_costs_little_collection_time(self, ctx):
+        # a worker's full collections (the module docstring) are spaced by their length: a heap of 300,000 objects
+        # a task keeps alive took ~10 ms to collect, every 0.1 s (a tenth of the worker's time)
+        with mpr.Pool(1, context=ctx) as pool:
+            pool.apply(T.keep_a_large_heap, (300_000,))
+            pool.map(T.spin, [0.01] * 150, chunksize=1)
+            share = pool.apply(T.gc_share)
+        pool.join()
+        assert share < 0.04, f"{share:.1%} of the worker's time in full collections"
+
     def test_workers_that_die_before_running_anything_stop_the_pool(self, ctx):
         # issue 24: an initializer that raises (or initargs a worker cannot unpickle) made the stdlib's Pool, and
         # ours, respawn crashing workers forever; now every task fails with WorkerStartError, the cause attached

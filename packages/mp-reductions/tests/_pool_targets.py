@@ -179,3 +179,39 @@ def first_and_flag(x, i):
 
 def die(_=None):
     os.kill(os.getpid(), 9)
+
+
+_HEAP: list = []
+_GC = {"spent": 0.0, "start": None, "since": 0.0}
+
+
+def _gc_watch(phase, info):
+    if info["generation"] != 2:
+        return
+    if phase == "start":
+        _GC["start"] = time.perf_counter()
+    elif _GC["start"] is not None:
+        _GC["spent"] += time.perf_counter() - _GC["start"]
+        _GC["start"] = None
+
+
+def keep_a_large_heap(n):
+    """A task that leaves a heap of ``n`` tracked objects alive in its worker (a cache made on first use), and
+    starts timing the worker's full collections."""
+    import gc
+
+    _HEAP[:] = [[] for _ in range(n)]
+    if _gc_watch not in gc.callbacks:
+        gc.callbacks.append(_gc_watch)
+    _GC["spent"], _GC["since"] = 0.0, time.perf_counter()
+
+
+def spin(seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def gc_share(_=None):
+    """The share of the worker's time since keep_a_large_heap spent in full collections."""
+    return _GC["spent"] / (time.perf_counter() - _GC["since"])

@@ -48,8 +48,10 @@ What changed from the stdlib, and why::
   the result handler's, on the GIL (per 1,000 ``apply_async``, fork: the
   caller's CPU 16.5 -> 7.3 ms, wall 62 -> 52 ms).
 - Workers run a full garbage collection when they go idle, at most every
-  ``GC_INTERVAL`` seconds while busy, and at exit, so views of shared memory
-  caught in reference cycles do not pin segments. What a worker holds once
+  ``GC_INTERVAL`` seconds while busy (or ``GC_SHARE`` times the last one's
+  length, up to ``GC_MAX_INTERVAL``: at most 1% of a busy worker's time
+  however large the heap its tasks keep), and at exit, so views of shared
+  memory caught in reference cycles do not pin segments. What a worker holds once
   started (its imports, the initializer's state) is frozen first
   (``gc.freeze``): a collection looks at what its tasks made only (a full one
   cost ~17 ms with numpy imported, every 0.1 s, a sixth of a busy worker); a
@@ -224,7 +226,9 @@ _RESULT = struct.Struct("<qqd")  # a short result's frame: job, index, seconds i
 _SHORT_MAX = 4096  # bytes of a short result's message at most
 _SHORT_READ = 64  # short results read per system call at most (shm_core.recv_many's limit)
 _TRUNCATED = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)  # an int: the enum's & costs microseconds
-GC_INTERVAL = 0.1  # seconds between full collections in a busy worker (after gc.freeze: only what tasks made)
+GC_INTERVAL = 0.1  # seconds between full collections in a busy worker (after gc.freeze: only what tasks made) ...
+GC_SHARE = 100  # ... or GC_SHARE times the last one's length, so they take at most 1% of its time ...
+GC_MAX_INTERVAL = 2.0  # ... but never more than this apart
 _IDLE_WAIT = 0.05  # a worker that finds no task within this collects before blocking
 _BACKOFF = (0.01, 1.0)  # first and longest wait before a handler retries what failed
 _WAKE = "wake"  # the head of the worker handler's nudge to the result handler: deaths were recorded
@@ -552,9 +556,35 @@ def _drain(q) -> None:
             pass
 
 
-def _next_task(reader, waiter, dirty: bool):
-    """The next task as _split's; collect garbage first when none comes within _IDLE_WAIT; EOFError once the
-    pool's process is gone (``waiter`` polls the reader and the parent's sentinel). The receive never blocks:
+class _Collector:
+    """A worker's full garbage collections (see the module docstring): while it is busy, one GC_INTERVAL after the
+    last, or GC_SHARE times the last one's length if that is longer (at most GC_MAX_INTERVAL): a worker whose tasks
+    keep a large heap alive (a cache, a table made on first use) spent 10-20 ms per collection of it every 0.1 s.
+    When idle, as soon as one is due (at least _IDLE_WAIT after its last task), then it blocks."""
+
+    def __init__(self):
+        self.last, self.every, self.dirty = time.perf_counter(), GC_INTERVAL, False
+
+    def collect(self) -> None:
+        t0 = time.perf_counter()
+        gc.collect()
+        self.last = time.perf_counter()
+        self.every = min(GC_MAX_INTERVAL, max(GC_INTERVAL, GC_SHARE * (self.last - t0)))
+        self.dirty = False
+
+    def after_task(self, now: float) -> None:
+        if now - self.last >= self.every:
+            self.collect()
+        else:
+            self.dirty = True
+
+    def idle_wait_ms(self) -> float:
+        return max(_IDLE_WAIT, self.last + self.every - time.perf_counter()) * 1000
+
+
+def _next_task(reader, waiter, collector: _Collector):
+    """The next task as _split's; collect garbage first when none comes before a collection is due; EOFError once
+    the pool's process is gone (``waiter`` polls the reader and the parent's sentinel). The receive never blocks:
     the parent may take back the message that woke the poll (Note [lost tasks])."""
     sock = reader._sock
     while True:
@@ -562,11 +592,10 @@ def _next_task(reader, waiter, dirty: bool):
             return _split(*recv_raw(sock, socket.MSG_DONTWAIT))  # as a rule the next one is queued already
         except BlockingIOError:
             pass
-        events = waiter.poll(_IDLE_WAIT * 1000) if dirty else None
+        events = waiter.poll(collector.idle_wait_ms()) if collector.dirty else None
         if not events:
-            if dirty:
-                gc.collect()
-                dirty = False
+            if collector.dirty:
+                collector.collect()
             events = waiter.poll()
         if not any(fd == sock.fileno() and ev & select.POLLIN for fd, ev in events):
             raise EOFError("the pool's process is gone")
@@ -606,10 +635,10 @@ def worker(inqueue, outqueue, initializer=None, initargs=(), maxtasks=None, wrap
     _send(out, _STARTED, os.getpid())
     gc.freeze()  # what it has now lives as long as it does: collections look at what tasks made only
 
-    completed, dirty, last_gc = 0, False, time.perf_counter()
+    completed, collector = 0, _Collector()
     while maxtasks is None or completed < maxtasks:
         try:
-            head, body, fds = _next_task(inqueue._reader, waiter, dirty)
+            head, body, fds = _next_task(inqueue._reader, waiter, collector)
         except (EOFError, OSError):  # a task it could not receive stays in the slot for the replacement
             util.debug("worker got EOFError or OSError -- exiting")
             break
@@ -628,11 +657,7 @@ def worker(inqueue, outqueue, initializer=None, initargs=(), maxtasks=None, wrap
             _send_result(out, short, job, i, now - t0, result)
             task = task_fds = result = None
             completed += 1
-            if now - last_gc >= GC_INTERVAL:
-                gc.collect()
-                dirty, last_gc = False, time.perf_counter()
-            else:
-                dirty = True
+            collector.after_task(now)
         head = body = fds = None
     gc.collect()
     util.debug(f"worker exiting after {completed} tasks")
