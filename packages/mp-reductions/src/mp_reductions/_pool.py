@@ -1027,8 +1027,11 @@ class _Slots:
         return self.oom.read(), self.clock.row(k)
 
     def started(self, w, oom_base) -> None:
-        counter = self.oom.of(w.pid)  # its cgroup's: the pool's as a rule (Note [deaths explained])
-        self.oom_base[w.pid] = (counter, oom_base if counter is self.oom else counter.read())
+        pid = getattr(w, "pid", None)  # (a Process class of the caller's may have none: the stdlib's suite's)
+        if pid is None:
+            return
+        counter = self.oom.of(pid)  # its cgroup's: the pool's as a rule (Note [deaths explained])
+        self.oom_base[pid] = (counter, oom_base if counter is self.oom else counter.read())
 
     def watch(self) -> None:
         """The watchdog thread: ends the workers of tasks past their limit, samples the workers' resident size
