@@ -10,6 +10,7 @@ import signal
 import tempfile
 import time
 
+import dask
 import pytest
 
 # before anything starts a process: workers and spawn children inherit these
@@ -18,10 +19,13 @@ os.environ["ARRAYMP_SHM_DIR"] = SHM_DIR
 os.environ.setdefault("ARRAYMP_RECYCLE_IDLE", "0.2")  # received mappings are dropped 0.2 s after last use
 os.environ.setdefault("ARRAYMP_MANAGER_LINGER", "0.5")
 
-import dask  # noqa: E402
-import mp_dask  # noqa: E402
-import mp_reductions  # noqa: E402
-from mp_reductions import _recycle  # noqa: E402
+try:
+    import mp_dask
+    import mp_reductions
+    from mp_reductions import _recycle
+except BaseException:  # this conftest fails to load: no pytest_sessionfinish will remove the directory
+    shutil.rmtree(SHM_DIR, ignore_errors=True)
+    raise
 
 _recycle.IDLE = float(os.environ["ARRAYMP_RECYCLE_IDLE"])
 # each task runs where its argument was scattered: no stolen task moves an argument between workers, so the
