@@ -182,28 +182,30 @@ def die(_=None):
 
 
 _HEAP: list = []
-_GC = {"spent": 0.0, "start": None, "since": 0.0}
+_GC: list = []  # (start, stop) of each full collection since keep_a_large_heap
 
 
 def _gc_watch(phase, info):
     if info["generation"] != 2:
         return
     if phase == "start":
-        _GC["start"] = time.perf_counter()
-    elif _GC["start"] is not None:
-        _GC["spent"] += time.perf_counter() - _GC["start"]
-        _GC["start"] = None
+        _GC.append((time.perf_counter(), None))
+    elif _GC and _GC[-1][1] is None:
+        _GC[-1] = (_GC[-1][0], time.perf_counter())
 
 
-def keep_a_large_heap(n):
-    """A task that leaves a heap of ``n`` tracked objects alive in its worker (a cache made on first use), and
-    starts timing the worker's full collections."""
+def keep_a_large_heap(n, max_interval):
+    """A task that leaves a heap of ``n`` tracked objects alive in its worker (a cache made on first use), caps
+    the worker's spacing of full collections at ``max_interval``, and starts logging them."""
     import gc
 
+    from mp_reductions import _pool
+
+    _pool.GC_MAX_INTERVAL = max_interval
     _HEAP[:] = [[] for _ in range(n)]
+    _GC.clear()
     if _gc_watch not in gc.callbacks:
         gc.callbacks.append(_gc_watch)
-    _GC["spent"], _GC["since"] = 0.0, time.perf_counter()
 
 
 def spin(seconds):
@@ -212,6 +214,6 @@ def spin(seconds):
         pass
 
 
-def gc_share(_=None):
-    """The share of the worker's time since keep_a_large_heap spent in full collections."""
-    return _GC["spent"] / (time.perf_counter() - _GC["since"])
+def gc_log(_=None):
+    """The (start, stop) of each full collection since keep_a_large_heap."""
+    return [c for c in _GC if c[1] is not None]
