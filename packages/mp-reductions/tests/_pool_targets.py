@@ -110,6 +110,27 @@ class FailsToUnpickle:
 KEPT = ()
 
 
+def _die_in_a_worker():
+    if multiprocessing.parent_process() is not None:  # (not in the test's process, should it unpickle one)
+        os.kill(os.getpid(), 9)
+
+
+class DiesWhenUnpickled:
+    """An argument whose unpickling kills the pool worker: one put before an array kills it before it maps it."""
+
+    def __reduce__(self):
+        return _die_in_a_worker, ()
+
+
+def die_after(seconds):
+    time.sleep(seconds)
+    os.kill(os.getpid(), 9)
+
+
+def first_sum(_, a):
+    return float(a.sum())
+
+
 def keep(*arrays):
     """Initializer: keep the initargs for the tasks."""
     global KEPT

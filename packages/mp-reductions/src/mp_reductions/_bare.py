@@ -114,8 +114,8 @@ class _Handle:
         if block is not None:
             seg.fetch_add(shm_core.HEADER_SIZE + block, 1)
 
-    def sent(self) -> None:
-        """In the socket: the receiver gives the counts back."""
+    def sent(self, kept: bool = False) -> None:
+        """In the socket: the receiver gives the counts back (``kept`` or not: it names no named segment)."""
         if self.keep:
             os.close(self.fds.pop())
             self.keep.clear()
@@ -129,6 +129,9 @@ class _Handle:
             seg.fetch_add(_recycle.REFS, -1)
             if self.block is not None:
                 seg.fetch_add(shm_core.HEADER_SIZE + self.block, -1)
+
+    def settle(self) -> None:
+        """Nothing kept (Outgoing.settle)."""
 
 
 NOTHING = Outgoing()  # a raw message's: nothing to give back
@@ -144,12 +147,15 @@ class _Inline:
     def __init__(self, nbytes: int):
         self.nbytes = nbytes
 
-    def sent(self) -> None:
+    def sent(self, kept: bool = False) -> None:
         c = _stats.counts
         c[_stats.ARRAYS_INLINE] += 1
         c[_stats.BYTES_INLINE] += self.nbytes
 
     def abort(self) -> None:
+        pass
+
+    def settle(self) -> None:
         pass
 
 

@@ -472,11 +472,17 @@ class Packet:
         """Inline and naming no shared memory: no descriptor, nothing to give back (Note [plain messages])."""
         return self.buffers[0] == b"P"
 
-    def send(self, sock: socket.socket, flags: int = 0) -> None:
+    def send(self, sock: socket.socket, flags: int = 0, kept: bool = False) -> None:
+        """``kept``: this process keeps the in-flight counts of the named segments it names until ``settle``
+        (_reductions Note [kept counts]); its receiver must ``loads`` it with ``kept=True``."""
         shm_core.send_fds(sock, self.buffers, self.fds, flags)
         self.keep = None
-        self.out.sent()
+        self.out.sent(kept)
         _stats.counts[_MESSAGES_SENT] += 1
+
+    def settle(self) -> None:
+        """Sent ``kept``, and done with: give back the counts kept."""
+        self.out.settle()
 
     def send_nowait(self, sock: socket.socket) -> bool:
         """Send unless the socket is full (then False: nothing was sent)."""
@@ -681,13 +687,14 @@ def loads_kept(msg: tuple, pending: collections.deque, sock: socket.socket):
     return loads(data, fds)
 
 
-def loads(data: bytes, fds: list[int] | None):
+def loads(data: bytes, fds: list[int] | None, kept: bool = False):
+    """A received message's object; ``kept``: sent with ``Packet.send(kept=True)``."""
     if data and data[0] in BARE_KINDS:  # Note [bare arrays]
         return decode(data, fds)
     load = _loads_spilled if spilled(data) else pickle.loads
     if fds is None:
         return load(data)
-    inc = Incoming(fds)
+    inc = Incoming(fds, kept)
     saved, tls.ctx = tls.ctx, inc
     try:
         return load(data)

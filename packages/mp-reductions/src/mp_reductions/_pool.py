@@ -551,7 +551,7 @@ def _drain(q) -> None:
         if fds is None:  # plain (batches are): it names no shared memory
             continue
         try:
-            loads(body, fds)
+            loads(body, fds, kept=True)
         except Exception:  # the worker would have made it the task's error; nobody waits for it now
             pass
 
@@ -714,7 +714,7 @@ def _run(body, fds, wrap_exception: bool) -> tuple:
     """One task's result, ``(True, value)`` or ``(False, exception)``, as the stdlib's worker makes it."""
     func = None
     try:
-        _, _, func, args, kwds = loads(body, fds)
+        _, _, func, args, kwds = loads(body, fds, kept=True)  # Note [kept counts]
         body = None
         return True, func(*args, **kwds)
     except Exception as e:
@@ -889,7 +889,7 @@ class _Slots:
             buffers = _message(items)
             try:  # never blocks: the queue holds DEPTH messages
                 if len(items) == 1:
-                    items[0][1].send(self.queues[k]._writer._sock)
+                    items[0][1].send(self.queues[k]._writer._sock, kept=True)  # Note [kept counts]
                 else:
                     shm_core.send_fds(self.queues[k]._writer._sock, buffers)
                     for _, packet, _ in items:
@@ -985,6 +985,7 @@ class _Slots:
                 continue
             if tasks:
                 return False
+            _settle(sent[n])
             del sent[n]
             return True
         raise AssertionError(f"task {task} owned by slot {k2} is in none of its messages")
@@ -1125,7 +1126,9 @@ class _Slots:
             for (job, i) in list(self.owner):
                 del self.owner[job, i]
                 self.failed.append((job, i, error))
-            self.sent = [collections.deque() for _ in self.sent]
+            # no worker starts again to take the messages queued (one still alive that takes one maps it while
+            # the caller's array holds it, else fails a task failed already)
+            self._settle_sent()
             self.cond.notify_all()
         self.settle_failed()
 
@@ -1151,6 +1154,22 @@ class _Slots:
         """Give back the shared memory of the tasks left in the slots (the workers are gone)."""
         for q in self.queues:
             _drain(q)
+        with self.lock:
+            self._settle_sent()
+
+    def _settle_sent(self) -> None:
+        """Forget every message sent (the lock held): no worker will take one again (Note [kept counts])."""
+        for sent in self.sent:
+            for message in sent:
+                _settle(message)
+        self.sent = [collections.deque() for _ in self.sent]
+
+
+def _settle(message: list) -> None:
+    """A message sent to a slot is done with: its packet gives back the counts it kept (Note [kept counts])."""
+    items = message[2]
+    if len(items) == 1:  # (a batch is of plain tasks: nothing kept)
+        items[0][1].settle()
 
 
 def _loss(pid: int, exitcode, running: tuple, result, how: tuple) -> Exception:

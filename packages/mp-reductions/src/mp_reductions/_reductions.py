@@ -19,6 +19,24 @@ A segment reference is one of:
 
 Our channels set a per-thread message context around pickling (Outgoing) and
 unpickling (Incoming); the reducer and the rebuilder find it there.
+
+Note [kept counts]: a message naming a named segment carries one count of the
+segment's header refcount (_shared Note [named segments]), which its receiver
+takes over. A receiver that dies before it unpickles the message (a Pool
+worker killed as it took its task) never takes it, and the count stayed until
+the group ended. So a Pool's tasks are sent *kept* (``Packet.send(kept=True)``):
+the parent keeps each message's counts (``Outgoing.held``) and its worker, which
+unpickles with ``loads(kept=True)``, takes a count of its own when it first maps
+the segment (``attach_named(counted=False)``), held through the daemon as any.
+The parent gives its counts back (``Packet.settle``, unlinking at zero) once the
+message is done with: every result of it read (its worker mapped what it names
+before it ran), or its loss settled (the worker is dead: it held nothing, or
+the daemon gave back what it held), or, at terminate, when the workers are gone.
+So a count is up while the message can still be unpickled: in a socket, moved
+unchanged to another slot (_pool Note [lost tasks]), or being unpickled; no
+window reads zero, and none outlives it. Results (worker to parent) still carry
+their counts: the parent outlives its workers, and a worker killed between its
+count and its send still leaves one until the group ends.
 """
 
 from __future__ import annotations
@@ -55,6 +73,7 @@ class Outgoing:
     keep: list = ()  # objects whose descriptors or counts must live until sent
     in_flight: list[shm_core.Segment] = ()  # segments this message counts in flight (_recycle.REFS)
     blocks: list[tuple[shm_core.Segment, int]] = ()  # arena blocks it counts (_shared Note [arenas])
+    held: list[shm_core.Segment] = ()  # named segments whose in-flight counts it kept once sent (Note [kept counts])
     _index: dict[int, int] = None
     _copies: list[tuple[np.ndarray, int]] = ()
     _copy_size = 0
@@ -209,13 +228,17 @@ class Outgoing:
             np.copyto(seg.ndarray(arr.shape, arr.dtype, offset), arr, casting="no")
         self._copies.clear()
 
-    def sent(self) -> None:
-        """The message is in the socket: what it held may go, its copy segment back to the pool."""
+    def sent(self, kept: bool = False) -> None:
+        """The message is in the socket: what it held may go, its copy segment back to the pool. ``kept``: the
+        in-flight counts of the named segments it names stay this process's until ``settle`` (Note [kept
+        counts]); else its receiver takes them over."""
         if self.arrays:
             _stats.commit(self)
         if not self.handles:
             return
         self._close_fds()
+        if kept:
+            self.held = self._named_counts()
         self.keep.clear()
         self.in_flight.clear()
         self.blocks.clear()
@@ -235,14 +258,25 @@ class Outgoing:
         for seg, block in self.blocks:
             seg.fetch_add(shm_core.HEADER_SIZE + block, -1)
         self.blocks.clear()
-        for obj in self.keep:
-            if isinstance(obj, shm_core.Segment) and obj.name and self._index.get(id(obj)) == -1:
-                obj.decref()
+        for seg in self._named_counts():
+            seg.decref()  # (this process holds one more: never the last)
         self.keep.clear()
         for seg in self.in_flight:
             seg.fetch_add(_recycle.REFS, -1)
         self.in_flight.clear()
         self._pool_back()
+
+    def settle(self) -> None:
+        """A message sent ``kept`` is done with: its receiver holds counts of its own, or died, or never took it
+        (Note [kept counts]). Give back the in-flight counts it kept (once)."""
+        held, self.held = self.held, ()
+        for seg in held:
+            _shared.give_back_named(seg)
+
+    def _named_counts(self) -> list[shm_core.Segment]:
+        """The named segments this message took an in-flight count of (named_ref, a named copy segment)."""
+        return [obj for obj in self.keep
+                if isinstance(obj, shm_core.Segment) and obj.name and self._index.get(id(obj)) == -1]
 
     def _close_fds(self) -> None:
         for fd in self.fds:
@@ -259,8 +293,9 @@ class CopyMiss(Exception):
 class Incoming:
     """The descriptors that came with a message, resolved to segments on first use."""
 
-    def __init__(self, fds: list[int]):
+    def __init__(self, fds: list[int], kept: bool = False):
         self.fds = fds
+        self.kept = kept  # its sender kept the in-flight counts of the named segments (Note [kept counts])
         self.segments: dict = {}
         self.viewed_keys: set = set()
 
@@ -280,10 +315,10 @@ class Incoming:
             seg.fetch_add(_recycle.REFS, -1)
 
     def named(self, name: str, dir: str, size: int | None) -> shm_core.Segment:
-        # one in-flight count per segment per message, see Outgoing.named_ref
+        # one in-flight count per segment per message (Outgoing.named_ref), taken over unless kept
         seg = self.segments.get(name)
         if seg is None:
-            seg = self.segments[name] = _received(_shared.attach_named(name, dir, size))
+            seg = self.segments[name] = _received(_shared.attach_named(name, dir, size, counted=not self.kept))
         return seg
 
     def close(self) -> None:

@@ -31,7 +31,8 @@ daemon (hold), and give their count back through it (release): so the count of
 a holder that dies, even by SIGKILL, is given back exactly once; that includes
 a fork child, which holds (and tells the daemon it holds) every named segment
 it inherits. What a crash can still leak (a message lost in flight) is removed
-when the group ends.
+when the group ends; a Pool's tasks keep their counts in the parent until done
+with, so none is lost with a worker (_reductions Note [kept counts]).
 
 Note [arenas]: small ``empty_shared`` arrays (up to ``ARENA_ITEM_MAX``) are
 blocks carved out of per-process arenas, segments of ``ARENA_SIZE`` marked by
@@ -292,6 +293,13 @@ def _unlink_named(seg: shm_core.Segment) -> None:
         shm_manager.unregister(seg.name)
     except FileNotFoundError:
         pass
+
+
+def give_back_named(seg: shm_core.Segment) -> None:
+    """Give back one count of the named segment ``seg`` taken with ``incref`` (a message's in-flight count that
+    its sender kept: _reductions Note [kept counts]); the last one unlinks it."""
+    if seg.decref() == 0:
+        _unlink_named(seg)
 
 
 def _adopt_named(seg: shm_core.Segment) -> shm_core.Segment:
@@ -693,12 +701,14 @@ def attach_fd(fd: int, size: int | None, *, owned: bool) -> shm_core.Segment:
         return seg
 
 
-def attach_named(name: str, dir: str, size: int | None) -> shm_core.Segment:
-    """The named segment ``name``, mapped once per process; takes over one in-flight count."""
+def attach_named(name: str, dir: str, size: int | None, counted: bool = True) -> shm_core.Segment:
+    """The named segment ``name``, mapped once per process; takes over one in-flight count (``counted``), or
+    takes a count of its own (the sender keeps its count until then: _reductions Note [kept counts])."""
     with _table.lock:
         seg = _table.segments.get(("n", name))
         if seg is not None:
-            seg.decref()  # this process already holds a count
+            if counted:
+                seg.decref()  # this process already holds a count
             return seg
         try:
             seg = shm_core.attach(name, dir, expected_size=size)
@@ -710,6 +720,8 @@ def attach_named(name: str, dir: str, size: int | None) -> shm_core.Segment:
                 "delivered again, or a forged handle: each takes a count it never owned), or it was removed by "
                 "hand (shm-manager gc)"
             ) from None
+        if not counted:
+            seg.incref()
         return _adopt_named(seg)
 
 
