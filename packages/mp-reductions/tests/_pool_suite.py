@@ -1,5 +1,6 @@
 """The Pool suite, bound to a start method by test_pool_<method>.py."""
 
+import itertools
 import multiprocessing
 import os
 import random
@@ -77,7 +78,7 @@ class PoolSuite:
             log = pool.apply(T.gc_log)
         pool.join()
         assert len(log) >= 3, log
-        for (began, ended), (next_began, _) in zip(log, log[1:]):
+        for (began, ended), (next_began, _) in itertools.pairwise(log):
             due = min(cap, max(_pool.GC_INTERVAL, _pool.GC_SHARE * (ended - began)))
             assert next_began - ended >= due, (log, due)
         assert any(_pool.GC_SHARE * (ended - began) > _pool.GC_INTERVAL for began, ended in log), log
@@ -586,6 +587,7 @@ class PoolSuite:
 
 SHORT_OF_DESCRIPTORS_SCRIPT = """
 import logging, os, resource, sys, threading
+import itertools
 import multiprocessing
 import mp_reductions as mpr
 import _pool_targets as T
@@ -630,6 +632,7 @@ def pickle_roundtrip(obj):
 
 HOLD_SCRIPT = """
 import os, sys
+import itertools
 import multiprocessing
 import mp_reductions as mpr
 import _pool_targets as T
