@@ -305,6 +305,32 @@ def test_timeout_raises_and_kills_the_late_tasks():
     _wait_gone(sleepers)
 
 
+@pytest.mark.parametrize("how", ["parallel", "parallel_config"])
+def test_task_timeout_ends_the_stuck_task_and_names_it(how):
+    # issue 34: a task past the backend's task_timeout has its worker ended and fails with TaskTimeoutError, which
+    # Parallel raises (cancelling the rest, as for any task's error); each task is its own batch, so the limit
+    # is each task's
+    started = mp.zeros_shared(4, np.int64)
+    calls = (delayed(sleep_long if i == 1 else pid)(*((i, started) if i == 1 else ())) for i in range(4))
+    with pytest.raises(mp.TaskTimeoutError, match=r"^task 1 of a joblib\.Parallel call \(sleep_long\(1, ") as info:
+        if how == "parallel":
+            Parallel(n_jobs=2, backend="arraymp", task_timeout=1)(calls)
+        else:
+            with parallel_config("arraymp", n_jobs=2, task_timeout=1):
+                Parallel()(calls)
+    assert info.value.limit == 1.0 and info.value.pid == started[1]
+    assert "cancels the rest of the call" in info.value.__notes__[0]
+    _wait_gone([int(started[1])])
+    with parallel_config("arraymp", n_jobs=2, task_timeout=30):  # a limit no task reaches changes nothing
+        assert Parallel(batch_size="auto")(delayed(square)(i) for i in range(100)) == [i * i for i in range(100)]
+
+
+def test_a_bad_task_timeout_says_what_it_takes():
+    for bad, error in ((-1, ValueError), ("1", TypeError)):
+        with pytest.raises(error, match="task_timeout must be a"):
+            Parallel(n_jobs=2, backend="arraymp", task_timeout=bad)(delayed(square)(i) for i in range(2))
+
+
 def _wait_gone(pids: list[int]) -> None:
     deadline = time.monotonic() + 20
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:

@@ -48,7 +48,13 @@ worker's traceback as its ``__cause__``, and the remaining tasks are
 cancelled (the pool is terminated and restarted); ``timeout=`` works; a worker
 that dies (a signal, the out-of-memory killer) fails its task with
 ``arraymp.WorkerLostError`` instead of hanging; ``n_jobs=-1`` uses every CPU;
-``batch_size="auto"`` batches short tasks; ``return_as="generator"`` and
+``batch_size="auto"`` batches short tasks; ``task_timeout=`` (seconds, with the
+other backend options: ``parallel_config(backend="arraymp", task_timeout=30)``)
+ends a task that runs longer, measured from its start in its worker (the
+worker gets SIGTERM, then SIGKILL), which Parallel raises as
+``arraymp.TaskTimeoutError`` naming the call, cancelling the rest as for any
+task's error; tasks then go one per batch, so the limit is each task's (an
+explicit ``batch_size`` puts that many under one limit). ``return_as="generator"`` and
 ``"generator_unordered"`` work. A ``Parallel`` call inside a task runs
 sequentially (loky runs it on threads at the first level). Workers limit the
 threads of BLAS and OpenMP to ``cpu_count() // n_jobs`` (or
@@ -88,6 +94,8 @@ except ImportError:  # pragma: no cover
 
 import numpy as np
 from mp_reductions import is_shared
+from mp_reductions._pool import TaskTimeoutError, check_timeout
+from mp_reductions._pool import _call as _call_repr
 
 import arraymp
 
@@ -100,7 +108,8 @@ class ArraympBackend(AutoBatchingMixin, joblib.ParallelBackendBase):
     """joblib's backend over arraymp's Pool (registered as ``"arraymp"``): see the module's docstring.
 
     ``start_method``: ``"fork"``, ``"spawn"`` or ``"forkserver"`` (None: arraymp's default);
-    ``idle_worker_timeout``: seconds an idle pool is kept for the next call (300, as loky's).
+    ``idle_worker_timeout``: seconds an idle pool is kept for the next call (300, as loky's);
+    ``task_timeout``: seconds a task may run (None: no limit), see the module's docstring.
     """
 
     supports_retrieve_callback = True
@@ -112,18 +121,21 @@ class ArraympBackend(AutoBatchingMixin, joblib.ParallelBackendBase):
         inner_max_num_threads=None,
         start_method=None,
         idle_worker_timeout=300,
+        task_timeout=None,
         **backend_kwargs,
     ):
         super().__init__(nesting_level=nesting_level, inner_max_num_threads=inner_max_num_threads, **backend_kwargs)
         _check_start_method(start_method)
         self.start_method = start_method
         self.idle_worker_timeout = idle_worker_timeout
+        self.task_timeout = check_timeout(task_timeout, "task_timeout")
         self.parallel = None
         self._key = None
         self._max_nbytes: int | None = 1_000_000
         self._writable_inputs = False
         self._inputs: dict[int, tuple] = {}  # id(array) -> (array, its shared copy): this call's, see _share
         self._inputs_lock = threading.Lock()
+        self._batches = 0
 
     # ------------------------------------------------------------------ configuration
     def configure(
@@ -134,6 +146,7 @@ class ArraympBackend(AutoBatchingMixin, joblib.ParallelBackendBase):
         require=None,
         start_method=None,
         idle_worker_timeout=None,
+        task_timeout=None,
         max_nbytes=1_000_000,
         mmap_mode="r",
         temp_folder=None,
@@ -146,7 +159,7 @@ class ArraympBackend(AutoBatchingMixin, joblib.ParallelBackendBase):
         if unknown:
             raise TypeError(
                 f"the arraymp backend takes no argument {', '.join(map(repr, unknown))}; it takes "
-                "start_method, idle_worker_timeout, max_nbytes and mmap_mode"
+                "start_method, idle_worker_timeout, task_timeout, max_nbytes and mmap_mode"
             )
         n_jobs = self.effective_n_jobs(n_jobs)
         if n_jobs == 1:
@@ -155,6 +168,8 @@ class ArraympBackend(AutoBatchingMixin, joblib.ParallelBackendBase):
         method = start_method or self.start_method or arraymp.get_start_method()
         if idle_worker_timeout is not None:
             self.idle_worker_timeout = idle_worker_timeout
+        if task_timeout is not None:
+            self.task_timeout = check_timeout(task_timeout, "task_timeout")
         if isinstance(max_nbytes, str):
             from joblib.disk import memstr_to_bytes
 
@@ -188,6 +203,10 @@ class ArraympBackend(AutoBatchingMixin, joblib.ParallelBackendBase):
             n_jobs = max(joblib.cpu_count() + 1 + n_jobs, 1)
         return n_jobs
 
+    def compute_batch_size(self):
+        """joblib's automatic batch size, but 1 under a ``task_timeout``: the limit is each task's."""
+        return 1 if self.task_timeout is not None else super().compute_batch_size()
+
     def get_nested_backend(self):
         """A ``Parallel`` call inside a task runs sequentially."""
         return SequentialBackend(nesting_level=(self.nesting_level or 0) + 1), None
@@ -195,6 +214,7 @@ class ArraympBackend(AutoBatchingMixin, joblib.ParallelBackendBase):
     # ------------------------------------------------------------------ the calls
     def start_call(self):
         self._forget_inputs()
+        self._batches = 0  # batches submitted in this call: the next one's index (joblib dispatches in order)
 
     def stop_call(self):
         self._forget_inputs()
@@ -208,6 +228,8 @@ class ArraympBackend(AutoBatchingMixin, joblib.ParallelBackendBase):
         """Send a batch (joblib's ``BatchedCalls``) to the pool: an AsyncResult; ``callback`` gets ``(ok, value)``."""
         if self._key is None:
             raise RuntimeError("the arraymp backend was not configured: use it through joblib.Parallel")
+        task = _batch_name(func) if self.task_timeout is not None else None  # (before _prepare wraps it)
+        index, self._batches = self._batches, self._batches + 1
         if hasattr(func, "items"):  # joblib's BatchedCalls: its big inputs shared once, its functions portable
             func.items = self._prepare(func.items)
         workers = _acquire(self._key, self.idle_worker_timeout, self)
@@ -219,11 +241,15 @@ class ArraympBackend(AutoBatchingMixin, joblib.ParallelBackendBase):
 
         def failed(error):
             workers.finished(self)
+            if isinstance(error, TaskTimeoutError):  # the joblib task's name, not our wrapper's
+                error = TaskTimeoutError(error.limit, index, "a joblib.Parallel call", task, error.pid)
+                error.add_note("joblib.Parallel raises a task's error and cancels the rest of the call, as loky")
             if callback is not None:
                 callback((False, error))
 
         try:
-            return workers.pool.apply_async(_run, (func,), callback=done, error_callback=failed)
+            return workers.pool.apply_async(_run, (func,), callback=done, error_callback=failed,
+                                            timeout=self.task_timeout)
         except BaseException:
             workers.finished(self)
             raise
@@ -316,6 +342,17 @@ class _Raised:
 
     def __reduce__(self):
         return _Raised, (self.error,)
+
+
+def _batch_name(batch) -> str | None:
+    """``f(1, x=2)``, a batch's first call (and how many more), for a TaskTimeoutError."""
+    items = getattr(batch, "items", None)
+    if not items:
+        return None
+    func, args, kwargs = items[0]
+    name = getattr(func, "__qualname__", None) or type(func).__name__
+    more = f" and {len(items) - 1} more calls" if len(items) > 1 else ""
+    return f"{name}{_call_repr(args, kwargs)}{more}"
 
 
 def _run(batch):
