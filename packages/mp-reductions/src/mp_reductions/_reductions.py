@@ -434,12 +434,16 @@ def _count_inline(out: Outgoing | None, nbytes: int) -> None:
 
 
 def _inline(arr: np.ndarray) -> tuple:
+    if arr.flags.writeable and arr.dtype.isnative:  # numpy's own, as the stdlib sends it (Note [small arrays])
+        return arr.__reduce__()
     order = "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C"
     return rebuild_inline, (arr.tobytes(order), _dtype(arr.dtype), arr.shape, order, _readonly(arr))
 
 
-# Note [small arrays]: a small array travels in the pickle (rebuild_inline: its bytes, its dtype's string, byte
-# order and read-only flag kept), every one of a message: a message of a thousand small arrays is pickled once, at
+# Note [small arrays]: a small array travels in the pickle, every one of a message: a writable one in native byte
+# order by numpy's own reduction, as the stdlib sends it (its rebuild is numpy's C: a chunk of 250 small results
+# loaded in 196 us, against 603 us through rebuild_inline), any other by rebuild_inline (its bytes, its dtype's
+# string, byte order and read-only flag kept). A message of a thousand small arrays is pickled once, at
 # about the cost of the stdlib's pickle of it (it was pickled a second time, each of them put in shared memory,
 # when its pickle passed INLINE bytes: it is spilled now, Note [spills]). On our channels one that numpy owns (no
 # base) in a process with no shared allocation (_alloc: ``_shared.owned`` empty) is in no segment: it skips the
