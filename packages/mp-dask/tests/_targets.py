@@ -70,3 +70,20 @@ def stall_first(a, marker: str):
         fh.write(str(os.getpid()))
     os.rename(marker + ".tmp", marker)
     time.sleep(600)
+
+
+def _die_unless_in(pid: int):
+    if os.getpid() != pid:
+        os.kill(os.getpid(), 9)
+
+
+class DiesWhenUnpickled:
+    """An argument whose unpickling kills any process but the one that made it: put before an array, it kills
+    the worker before the worker maps the array."""
+
+    def __reduce__(self):
+        return _die_unless_in, (os.getpid(),)
+
+
+def first_sum(_, a):
+    return float(a.sum())

@@ -12,7 +12,7 @@ import mp_dask
 import mp_reductions
 import numpy as np
 import pytest
-from _targets import f, stall_first
+from _targets import DiesWhenUnpickled, f, first_sum, stall_first
 from conftest import CLUSTER, kill, pid_alive, segments, wait_until
 
 
@@ -65,4 +65,20 @@ def test_past_allowed_failures_the_task_fails_naming_the_worker(scratch, tmp_pat
         np.testing.assert_array_equal(out[3], (args[3] + 1) * 2)
         p.terminate()
         del args, result, out, err, info
+        wait_until(lambda: not segments(), 3, f"segments to go after terminate(): {segments()}")
+
+
+def test_a_worker_killed_before_it_maps_its_argument_leaves_no_segment(scratch):
+    # issue 35 (9): a task's argument carried the in-flight counts of its segments, which its worker takes over as
+    # it unpickles it; a worker killed first left them until the program's group ended. The pool keeps them now
+    # until the task is done with (mp_reductions' Note [kept counts]). Dask's worker unpickles what is scattered
+    # to it as it arrives: its death fails the scatter, and so the call.
+    a = np.full(1 << 18, 3, np.float32)  # 1 MiB: a handle
+    with mp_dask.get_context(**CLUSTER, local_directory=scratch) as ctx:
+        p = ctx.Pool(2)
+        with pytest.raises(Exception, match="closed"):  # (distributed's CommClosedError)
+            p.apply_async(first_sum, (DiesWhenUnpickled(), a)).get(60)
+        assert p.apply(first_sum, (None, a)) == float(a.sum())  # the pool works on
+        p.terminate()
+        del a
         wait_until(lambda: not segments(), 3, f"segments to go after terminate(): {segments()}")

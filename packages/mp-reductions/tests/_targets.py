@@ -179,3 +179,10 @@ def load_and_report(data, out):
         out.put("loaded")
     except Exception as e:
         out.put(f"{type(e).__name__}: {e}")
+
+
+def load_counts_kept(data, q):
+    """Unpickle ``data`` (made under keep_counts) as mp-dask's workers do, report its sum, exit holding it."""
+    with mpr.counts_kept():
+        a = pickle.loads(data)
+    q.put(float(a.sum()))

@@ -209,7 +209,14 @@ class Tasks:
 
     def _send(self, jobs: list[Job]) -> None:
         sent = [Shipped(job.payload, self.same_node, self.namespace, copies=[]) for job in jobs]
-        args = self.client.scatter(sent, direct=True, hash=False)
+        try:
+            args = self.client.scatter(sent, direct=True, hash=False)
+        except BaseException:  # (a worker killed as it unpickled them: Dask's comm error) nothing waits for them
+            for shipped in sent:
+                mp_reductions.copies_lost(shipped.copies)
+                mp_reductions.give_back_counts(shipped.held)
+            sent.clear()  # (the traceback holds this frame: the copies go with their last view here)
+            raise
         for job, shipped, arg in zip(jobs, sent, args, strict=True):
             task = self.client.submit(run, job.call, arg, pure=False)
             with self.lock:
@@ -224,6 +231,8 @@ class Tasks:
             value = self._again(job, value)
             if value is None:
                 return  # sent again: this job goes on
+        if job.sent is not None:  # its worker has its own counts of the argument's segments, or is dead
+            mp_reductions.give_back_counts(job.sent.held)
         with self.lock:
             self.pending.discard(job)  # the last reference: Dask releases the argument and the result
             job.task = job.arg = job.payload = job.sent = None
@@ -240,6 +249,7 @@ class Tasks:
     def _again(self, job: Job, exc: BaseException) -> BaseException | None:
         """Send a lost task again; None when sent, else the error it finishes with."""
         mp_reductions.copies_lost(job.sent.copies)
+        mp_reductions.give_back_counts(job.sent.held)  # the worker that had the argument is gone
         job.losses += 1
         if isinstance(exc, KilledWorker) or job.losses > self.allowed_failures:
             address, pid = self._lost_worker(job, exc)

@@ -20,7 +20,10 @@ copies into memory already faulted in, which is most of its speed), since
 descriptors cannot cross TCP: a process that sends handles over Dask uses
 ``file_system`` from then on. The handle carries one in-flight count of the
 segment that the receiver takes over (Note [named segments] in mp_reductions'
-_shared.py), and the receiver holds it through the segment's group daemon even
+_shared.py), but for a task's arguments, whose counts the pool keeps until the
+task is done with or lost with its worker, its worker taking counts of its own
+(Note [kept counts] in mp_reductions' _reductions.py: a worker killed before it
+unpickled them left them until the group ended), and the receiver holds it through the segment's group daemon even
 when it belongs to another program's group (Note [Holds across groups] in
 shm_manager's _group.py): a segment lives while any process of the node holds
 it and goes with its last holder, SIGKILL included. Received arrays are
@@ -35,7 +38,7 @@ it are checked like any other by mp_reductions (the segment's name, its
 directory being this process's, its header and size).
 
 A Shipped is serialized once per send: Dask replicating or moving a result
-makes one handle (one in-flight count) per copy sent. A message that is lost
+makes one handle (one in-flight count) per copy sent. A result that is lost
 (its recipient killed before reading it) leaves its count until the creating
 group ends.
 
@@ -63,8 +66,10 @@ import numpy as np
 import shm_core
 from distributed.protocol import dask_deserialize, dask_serialize
 from mp_reductions import (
+    counts_kept,
     get_inline_threshold,
     get_sharing_strategy,
+    keep_counts,
     message_copies,
     reduce_ndarray,
     set_sharing_strategy,
@@ -83,10 +88,13 @@ class Shipped:
     ``copies``: a list, to collect the segments its arrays are copied into when sent (Note [Lost workers] in
     _tasks.py)."""
 
-    __slots__ = ("value", "same_node", "namespace", "copies")
+    __slots__ = ("value", "same_node", "namespace", "copies", "held")
 
     def __init__(self, value, same_node: bool = True, namespace: str | None = None, copies: list | None = None):
         self.value, self.same_node, self.namespace, self.copies = value, same_node, namespace, copies
+        # a task's arguments: the in-flight counts of its handles stay ours until the task is done with
+        # (mp_reductions' Note [kept counts]); given back by the pool (mp_reductions.give_back_counts)
+        self.held: list | None = [] if copies is not None else None
 
 
 def transfer_counters() -> dict[str, int]:
@@ -204,18 +212,21 @@ def _dumps(obj: Shipped, context=None):
         set_sharing_strategy("file_system")  # Note [Same-node transport]
     buffers: list = []
     f = io.BytesIO()
-    with message_copies() if handles else contextlib.nullcontext() as copy:
+    kept = handles and obj.held is not None
+    with message_copies() if handles else contextlib.nullcontext() as copy, \
+            keep_counts(obj.held) if kept else contextlib.nullcontext():
         pickler = _Pickler(f, buffers, copy, obj.namespace)
         pickler.dump(obj.value)
     if obj.copies is not None:
         obj.copies += pickler.copies
     frames = [f.getbuffer(), *(b.raw() for b in buffers)]
-    return {"same_node": obj.same_node, "handles": handles, "namespace": obj.namespace}, frames
+    return {"same_node": obj.same_node, "handles": handles, "namespace": obj.namespace, "kept": kept}, frames
 
 
 @dask_deserialize.register(Shipped)
 def _loads(header, frames):
     buffers = [b if not memoryview(b).readonly else bytearray(b) for b in frames[1:]]
     namespace = header.get("namespace")
-    return Shipped(pickle.loads(frames[0], buffers=buffers), bool(header.get("same_node", True)),
-                   namespace if isinstance(namespace, str) else None)
+    with counts_kept() if header.get("kept") is True else contextlib.nullcontext():
+        value = pickle.loads(frames[0], buffers=buffers)
+    return Shipped(value, bool(header.get("same_node", True)), namespace if isinstance(namespace, str) else None)

@@ -25,7 +25,14 @@ from ._pool import Pool, TaskTimeoutError, WorkerLostError, WorkerStartError, pr
 from ._progress import progress_bar, track_progress
 from ._queues import JoinableQueue, Queue, SimpleQueue
 from ._recycle import copies_lost, message_copies
-from ._reductions import init_reductions, rebuild_ndarray, reduce_ndarray
+from ._reductions import (
+    counts_kept,
+    give_back_counts,
+    init_reductions,
+    keep_counts,
+    rebuild_ndarray,
+    reduce_ndarray,
+)
 from ._shared import empty_shared, is_shared, share_memory, zeros_shared
 from ._stats import SharingStoppedWarning, Stats, stats
 from ._strategy import (
@@ -49,13 +56,16 @@ __all__ = [
     "WorkerLostError",
     "WorkerStartError",
     "copies_lost",
+    "counts_kept",
     "empty_shared",
     "executor_map",
     "get_all_sharing_strategies",
     "get_inline_threshold",
     "get_sharing_strategy",
+    "give_back_counts",
     "init_reductions",
     "is_shared",
+    "keep_counts",
     "message_copies",
     "prepare_worker",
     "progress_bar",

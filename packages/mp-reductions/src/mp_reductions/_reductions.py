@@ -28,6 +28,9 @@ the group ended. So a Pool's tasks are sent *kept* (``Packet.send(kept=True)``):
 the parent keeps each message's counts (``Outgoing.held``) and its worker, which
 unpickles with ``loads(kept=True)``, takes a count of its own when it first maps
 the segment (``attach_named(counted=False)``), held through the daemon as any.
+mp-dask sends its tasks' arguments the same way over Dask's comms
+(``keep_counts`` around the pickling, ``counts_kept`` around the unpickling,
+``give_back_counts`` when the task is done with or lost with its worker).
 The parent gives its counts back (``Packet.settle``, unlinking at zero) once the
 message is done with: every result of it read (its worker mapped what it names
 before it ran), or its loss settled (the worker is dead: it held nothing, or
@@ -41,6 +44,7 @@ count and its send still leaves one until the group ends.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import threading
@@ -330,6 +334,8 @@ class Incoming:
 
 class _TLS(threading.local):
     ctx = None
+    held: list | None = None  # keep_counts: the in-flight counts this thread's pickle takes, kept (Note [kept counts])
+    kept = False  # counts_kept: the pickle being loaded was made under keep_counts
 
 
 #: this thread's message being pickled (Outgoing) or unpickled (Incoming); set by _channel
@@ -502,8 +508,39 @@ def _close_dups(table: dict) -> None:
 
 
 def _named_ref_alone(seg):
-    seg.incref()  # in flight; the receiver takes it over
+    seg.incref()  # in flight; the receiver takes it over, unless this process keeps it (keep_counts)
+    if tls.held is not None:
+        tls.held.append(seg)
     return ("n", seg.name, seg.dir)
+
+
+@contextlib.contextmanager
+def keep_counts(held: list):
+    """Pickle (for a transport not ours: Dask's comms) with this process keeping the in-flight counts of the named
+    segments the pickle names: appended to ``held``; give them back with ``give_back_counts(held)`` once the
+    receiver has unpickled it (under ``counts_kept``) or is gone (Note [kept counts])."""
+    saved, tls.held = tls.held, held
+    try:
+        yield
+    finally:
+        tls.held = saved
+
+
+@contextlib.contextmanager
+def counts_kept():
+    """Unpickle what was pickled under ``keep_counts``: each named segment it names is mapped with a count of this
+    process's own (Note [kept counts])."""
+    saved, tls.kept = tls.kept, True
+    try:
+        yield
+    finally:
+        tls.kept = saved
+
+
+def give_back_counts(held: list) -> None:
+    """Give back the counts ``keep_counts`` kept in ``held`` (emptied: a second call gives back nothing)."""
+    while held:
+        _shared.give_back_named(held.pop())
 
 
 def _counted(seg: shm_core.Segment, ref: tuple) -> tuple:
@@ -535,7 +572,7 @@ def _segment_for(ref, size: int) -> shm_core.Segment:
         ctx = _current()
         if isinstance(ctx, Incoming):
             return ctx.named(ref[1], ref[2], size)
-        return _received(_shared.attach_named(ref[1], ref[2], size))
+        return _received(_shared.attach_named(ref[1], ref[2], size, counted=not tls.kept))
     raise shm_core.SegmentError(f"unknown segment reference {ref!r:.80} (forged or corrupted handle)")
 
 
