@@ -212,15 +212,16 @@ def _dumps(obj: Shipped, context=None):
         set_sharing_strategy("file_system")  # Note [Same-node transport]
     buffers: list = []
     f = io.BytesIO()
-    kept = handles and obj.held is not None
+    held = obj.held if handles else None
     with message_copies() if handles else contextlib.nullcontext() as copy, \
-            keep_counts(obj.held) if kept else contextlib.nullcontext():
+            keep_counts(held) if held is not None else contextlib.nullcontext():
         pickler = _Pickler(f, buffers, copy, obj.namespace)
         pickler.dump(obj.value)
     if obj.copies is not None:
         obj.copies += pickler.copies
     frames = [f.getbuffer(), *(b.raw() for b in buffers)]
-    return {"same_node": obj.same_node, "handles": handles, "namespace": obj.namespace, "kept": kept}, frames
+    return {"same_node": obj.same_node, "handles": handles, "namespace": obj.namespace, "kept": held is not None}, \
+        frames
 
 
 @dask_deserialize.register(Shipped)
