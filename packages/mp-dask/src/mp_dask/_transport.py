@@ -20,11 +20,12 @@ copies into memory already faulted in, which is most of its speed), since
 descriptors cannot cross TCP: a process that sends handles over Dask uses
 ``file_system`` from then on. The handle carries one in-flight count of the
 segment that the receiver takes over (Note [named segments] in mp_reductions'
-_shared.py), but for a task's arguments, whose counts the pool keeps until the
-task is done with or lost with its worker, its worker taking counts of its own
-(Note [kept counts] in mp_reductions' _reductions.py: a worker killed before it
-unpickled them left them until the group ended), and the receiver holds it through the segment's group daemon even
-when it belongs to another program's group (Note [Holds across groups] in
+_shared.py); a task's arguments are the exception: the pool keeps their counts
+until the task is done with or lost with its worker, and the worker takes
+counts of its own (Note [kept counts] in mp_reductions' _reductions.py: a
+worker killed before it unpickled them left them until the group ended). The
+receiver holds its count through the segment's group daemon even when the
+segment belongs to another program's group (Note [Holds across groups] in
 shm_manager's _group.py): a segment lives while any process of the node holds
 it and goes with its last holder, SIGKILL included. Received arrays are
 writable views, as on the local contexts. Arrays under the inline threshold,
