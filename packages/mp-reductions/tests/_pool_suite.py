@@ -27,6 +27,14 @@ def shm_names(pids) -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("arraymp_") and n.split("_")[3] in pids}
 
 
+def assert_none_left(pids) -> None:
+    """No named segment of ``pids`` left within 5 s (their daemon unlinks as the last count goes)."""
+    deadline = time.monotonic() + 5
+    while shm_names(pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not shm_names(pids)
+
+
 def memfd_mappings() -> int:
     """Distinct arraymp memfd segments mapped in this process."""
     with open("/proc/self/maps") as f:
@@ -466,64 +474,47 @@ class PoolSuite:
                     time.sleep(0.005)
                 pool.terminate()  # the tasks' in-flight counts must be given back
             assert not queued.ready()
-            deadline = time.monotonic() + 5
-            while shm_names(pids) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            assert not shm_names(pids)
+            assert_none_left(pids)
         finally:
             mpr.set_sharing_strategy(old)
 
+    @pytest.mark.parametrize("strategy", ["file_system"], indirect=True)
     @pytest.mark.parametrize("shared", [False, True], ids=["copied", "shared"])
-    def test_a_worker_killed_before_it_maps_its_task_leaves_no_segment(self, ctx, shared):
+    def test_a_worker_killed_before_it_maps_its_task_leaves_no_segment(self, ctx, strategy, shared):
         # issue 35 (9): the in-flight count of a named segment, which a worker takes over as it unpickles its
         # task, stayed until the group ended when the worker died first; the parent keeps it now, until the
         # task is done with (_reductions Note [kept counts]), and a replacement that gets the array maps it
-        old = mpr.get_sharing_strategy()
-        mpr.set_sharing_strategy("file_system")
-        try:
-            with mpr.Pool(1, context=ctx) as pool:
-                pids = {os.getpid(), pool._pool[0].pid}
-                a = mpr.empty_shared(100_000) if shared else np.empty(100_000)  # 800 KB: a named segment
-                a[:] = 7
-                with pytest.raises(mpr.WorkerLostError):
-                    pool.apply_async(T.first_sum, (T.DiesWhenUnpickled(), a)).get(TIMEOUT)
-                assert pool.apply_async(T.first_sum, (None, a)).get(TIMEOUT) == 700_000
-                pids |= {p.pid for p in pool._pool}
-                del a
-            pool.join()
-            deadline = time.monotonic() + 5
-            while shm_names(pids) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            assert not shm_names(pids)
-        finally:
-            mpr.set_sharing_strategy(old)
+        with mpr.Pool(1, context=ctx) as pool:
+            pids = {os.getpid(), pool._pool[0].pid}
+            a = mpr.empty_shared(100_000) if shared else np.empty(100_000)  # 800 KB: a named segment
+            a[:] = 7
+            with pytest.raises(mpr.WorkerLostError):
+                pool.apply_async(T.first_sum, (T.DiesWhenUnpickled(), a)).get(TIMEOUT)
+            assert pool.apply_async(T.first_sum, (None, a)).get(TIMEOUT) == 700_000
+            pids |= {p.pid for p in pool._pool}
+            del a
+        pool.join()
+        assert_none_left(pids)
 
-    def test_tasks_queued_for_a_killed_worker_keep_arrays_the_caller_dropped(self, ctx):
+    @pytest.mark.parametrize("strategy", ["file_system"], indirect=True)
+    def test_tasks_queued_for_a_killed_worker_keep_arrays_the_caller_dropped(self, ctx, strategy):
         # Note [kept counts]: the parent's count of each queued task's segment is up until its task is done with,
         # so the replacement that runs it maps it, although the caller dropped the array as it submitted it
-        old = mpr.get_sharing_strategy()
-        mpr.set_sharing_strategy("file_system")
-        try:
-            with mpr.Pool(1, context=ctx) as pool:
-                pids = {os.getpid(), pool._pool[0].pid}
-                dying = pool.apply_async(T.die_after, (0.3,))
-                queued = []
-                for i in range(3):
-                    a = mpr.empty_shared(100_000)
-                    a[:] = i
-                    queued.append(pool.apply_async(T.first_sum, (None, a)))
-                    del a
-                with pytest.raises(mpr.WorkerLostError):
-                    dying.get(TIMEOUT)
-                assert [r.get(TIMEOUT) for r in queued] == [0.0, 100_000.0, 200_000.0]
-                pids |= {p.pid for p in pool._pool}
-            pool.join()
-            deadline = time.monotonic() + 5
-            while shm_names(pids) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            assert not shm_names(pids)
-        finally:
-            mpr.set_sharing_strategy(old)
+        with mpr.Pool(1, context=ctx) as pool:
+            pids = {os.getpid(), pool._pool[0].pid}
+            dying = pool.apply_async(T.die_after, (0.3,))
+            queued = []
+            for i in range(3):
+                a = mpr.empty_shared(100_000)
+                a[:] = i
+                queued.append(pool.apply_async(T.first_sum, (None, a)))
+                del a
+            with pytest.raises(mpr.WorkerLostError):
+                dying.get(TIMEOUT)
+            assert [r.get(TIMEOUT) for r in queued] == [0.0, 100_000.0, 200_000.0]
+            pids |= {p.pid for p in pool._pool}
+        pool.join()
+        assert_none_left(pids)
 
     @pytest.mark.parametrize("strategy_name", ["file_descriptor", "file_system"])
     def test_many_results_one_segment_per_message_none_after(self, ctx, strategy_name):
