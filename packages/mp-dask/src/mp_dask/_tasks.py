@@ -231,8 +231,7 @@ class Tasks:
             value = self._again(job, value)
             if value is None:
                 return  # sent again: this job goes on
-        if job.sent is not None:  # its worker has its own counts of the argument's segments, or is dead
-            mp_reductions.give_back_counts(job.sent.held)
+        mp_reductions.give_back_counts(job.sent.held)  # its worker has counts of its own, or is dead
         with self.lock:
             self.pending.discard(job)  # the last reference: Dask releases the argument and the result
             job.task = job.arg = job.payload = job.sent = None

@@ -273,9 +273,7 @@ class Outgoing:
     def settle(self) -> None:
         """A message sent ``kept`` is done with: its receiver holds counts of its own, or died, or never took it
         (Note [kept counts]). Give back the in-flight counts it kept (once)."""
-        held, self.held = self.held, ()
-        for seg in held:
-            _shared.give_back_named(seg)
+        give_back_counts(self.held)
 
     def _named_counts(self) -> list[shm_core.Segment]:
         """The named segments this message took an in-flight count of (named_ref, a named copy segment)."""

@@ -281,10 +281,8 @@ def _ensure_exit_hook(again: bool = False) -> None:
 
 # ---------------------------------------------------------------- named segments
 def _release_named(seg: shm_core.Segment) -> None:
-    if shm_manager.release(seg.name, seg.dir):
-        return  # the daemon takes the count back, and unlinks at zero
-    if seg.decref() == 0:
-        _unlink_named(seg)
+    if not shm_manager.release(seg.name, seg.dir):  # (else the daemon takes the count back, and unlinks at zero)
+        give_back_named(seg)
 
 
 def _unlink_named(seg: shm_core.Segment) -> None:
@@ -296,8 +294,8 @@ def _unlink_named(seg: shm_core.Segment) -> None:
 
 
 def give_back_named(seg: shm_core.Segment) -> None:
-    """Give back one count of the named segment ``seg`` taken with ``incref`` (a message's in-flight count that
-    its sender kept: _reductions Note [kept counts]); the last one unlinks it."""
+    """Give back one count of the named segment ``seg`` that no daemon holds for this process (a message's
+    in-flight count that its sender kept: _reductions Note [kept counts]); the last one unlinks it."""
     if seg.decref() == 0:
         _unlink_named(seg)
 
