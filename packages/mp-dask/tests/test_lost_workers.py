@@ -40,8 +40,8 @@ def test_tasks_of_a_killed_worker_are_sent_again(scratch, tmp_path):
         np.testing.assert_array_equal(out[3], (args[3] + 1) * 2)
         p.terminate()
         del args, result, out
-        took = wait_until(lambda: not segments(), 3, f"segments to go after terminate(): {segments()}")
-        assert took < 3
+        # they go with the pool, not with the cluster; the bound is a hang check for a loaded machine
+        wait_until(lambda: not segments(), 10, f"segments to go after terminate(): {segments()}")
 
 
 def test_past_allowed_failures_the_task_fails_naming_the_worker(scratch, tmp_path):

@@ -92,7 +92,7 @@ t = time.monotonic()
 for _ in range(1000):
     shm_manager.register(n)
     shm_manager.unregister(n)
-assert time.monotonic() - t < 2.0
+assert time.monotonic() - t < 10.0  # no wait for a daemon that cannot start (a hang check, loose for load)
 assert shm_manager.daemon_pid() is None
 seg.unlink()
 """, env)
