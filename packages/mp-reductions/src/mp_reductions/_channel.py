@@ -137,8 +137,11 @@ def _pickle_inline(obj, moves: frozenset, head: bytes = b"") -> tuple[Outgoing, 
 # them costs more than pickling a small message), its memo cleared after every message (the memo holds the
 # objects it pickled: arrays must not live on in it). A pickle made while the thread's own is in use (a
 # reducer that sends a message of its own) gets a fresh pair; so does one after ForkingPickler's
-# registrations changed.
+# registrations changed. A pickle over FRESH_AFTER bytes retires the pair instead: the C pickler's memo table
+# never shrinks, and clearing it writes all of it, so after one message of 200,000 objects every later message
+# paid ~1.3 ms to clear it (a Pool worker's small results after a large one: 2x its CPU); a new pair costs ~1 us.
 SPILL_AT = 64  # where a spill segment's pickle starts (Note [spills])
+FRESH_AFTER = 4096  # bytes of pickle past which the thread's pickler is retired, not cleared (Note [reused pickler])
 
 
 class _InSegment:
@@ -186,9 +189,13 @@ class _Writer:
         self.pos = end
         return m.nbytes
 
+    def written(self) -> int:
+        """Bytes of pickle written since the reset."""
+        return self.pos - SPILL_AT if self.view is not None else self.size
+
     def _move(self, need: int) -> None:
         """Into a segment of room for ``need`` bytes of pickle and more, what was written carried over."""
-        written = self.pos - SPILL_AT if self.view is not None else self.size
+        written = self.written()
         seg = _recycle.take(SPILL_AT + max(2 * written, need + need // 8 + INLINE))
         view = memoryview(seg)
         if self.view is None:
@@ -259,7 +266,10 @@ def _pickle_once(obj, out: Outgoing, head: bytes) -> tuple[Outgoing, bytes | _In
         raise
     finally:
         tls.ctx = saved
-        pickler.clear_memo()
+        if mine and writer.written() > FRESH_AFTER:
+            r.key = r.pickler = None  # its memo goes with it
+        else:
+            pickler.clear_memo()
         if mine:
             r.busy = False
     return out, writer.payload()
