@@ -87,3 +87,21 @@ class DiesWhenUnpickled:
 
 def first_sum(_, a):
     return float(a.sum())
+
+
+def pid_then_sleep(a, seconds: float, marker: str | None = None):
+    """Say which process runs it (in ``marker``), sleep ``seconds``, then return the sum of ``a``."""
+    if marker is not None:
+        with open(marker + ".tmp", "w") as fh:
+            fh.write(str(os.getpid()))
+        os.rename(marker + ".tmp", marker)
+    time.sleep(seconds)
+    return float(np.sum(a))
+
+
+def crash(a):
+    """End this process as a crash in native code does."""
+    import signal
+
+    os.kill(os.getpid(), signal.SIGSEGV)
+    time.sleep(60)

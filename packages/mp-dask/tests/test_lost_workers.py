@@ -60,6 +60,7 @@ def test_past_allowed_failures_the_task_fails_naming_the_worker(scratch, tmp_pat
         assert isinstance(err, mp_dask.DaskWorkerLostError)
         assert (err.address, err.pid, err.kind) == (where[pid], pid, "map"), str(err)
         assert f"worker {where[pid]} (pid {pid})" in str(err) and "of map" in str(err)
+        assert err.exitcode == -9 and "died with signal SIGKILL" in str(err), str(err)  # as its nanny told
         assert str(pickle.loads(pickle.dumps(err))) == str(err)
         out = p.map(f, args[:4])  # the pool works on
         np.testing.assert_array_equal(out[3], (args[3] + 1) * 2)

@@ -43,6 +43,36 @@ def test_pool_api(ctx):
         ctx.Pool(0)
 
 
+def test_progress_bars_count_every_item_of_each_map(ctx):
+    # drawn into a file here (forced on): where a bar is drawn is mp_reductions' progress suite's concern; what
+    # is counted, as results arrive from the cluster, is this pool's
+    import io
+
+    def bar(desc):
+        return {"desc": desc, "file": io.StringIO(), "disable": False}
+
+    def last(options) -> str:
+        return options["file"].getvalue().replace("\r", "\n").strip().splitlines()[-1]
+
+    items = list(range(10))
+    with ctx.Pool(2) as p:
+        runs = {"map": bar("map"), "chunks": bar("chunks"), "imap": bar("imap"), "unordered": bar("unordered"),
+                "failed": bar("failed")}
+        assert p.map(nap, items, progress=runs["map"]) == items
+        assert p.starmap(g, [(i, 1) for i in items], chunksize=3, progress=runs["chunks"]) == [i - 1 for i in items]
+        assert list(p.imap(nap, items, progress=runs["imap"])) == items
+        assert sorted(p.imap_unordered(nap, items, chunksize=4, progress=runs["unordered"])) == items
+        with pytest.raises(ValueError, match="boom"):
+            p.map(boom, [np.ones(2)] * 4, chunksize=1, progress=runs["failed"])
+    with ctx.ProcessPoolExecutor(2) as ex:
+        runs["executor"] = bar("executor")
+        assert list(ex.map(nap, items, progress=runs["executor"])) == items
+    for desc, options in runs.items():
+        want = "0/4" if desc == "failed" else "100%|"
+        assert want in last(options) and f"{desc}:" in last(options), (desc, last(options))
+    assert "failed=4" in last(runs["failed"])
+
+
 def test_maxtasksperchild_warns_that_it_is_not_applied(ctx):
     with pytest.warns(RuntimeWarning, match="maxtasksperchild is not applied on a Dask cluster") as record, \
             ctx.Pool(2, maxtasksperchild=1) as p:

@@ -56,15 +56,17 @@ class DaskContext:
         """Worker threads in the cluster now (at least 1)."""
         return max(1, sum(self.client.nthreads().values()))
 
-    def Pool(self, processes=None, initializer=None, initargs=(), maxtasksperchild=None):
+    def Pool(self, processes=None, initializer=None, initargs=(), maxtasksperchild=None, *, task_timeout=None):
         from ._pool import Pool
 
-        return Pool(processes, initializer, initargs, maxtasksperchild, context=self)
+        return Pool(processes, initializer, initargs, maxtasksperchild, context=self, task_timeout=task_timeout)
 
-    def ProcessPoolExecutor(self, max_workers=None, initializer=None, initargs=(), max_tasks_per_child=None):
+    def ProcessPoolExecutor(self, max_workers=None, initializer=None, initargs=(), max_tasks_per_child=None, *,
+                            task_timeout=None):
         from ._executor import ProcessPoolExecutor
 
-        return ProcessPoolExecutor(max_workers, initializer, initargs, max_tasks_per_child, context=self)
+        return ProcessPoolExecutor(max_workers, initializer, initargs, max_tasks_per_child, context=self,
+                                   task_timeout=task_timeout)
 
     def transfer_counters(self) -> dict[str, int]:
         """The transfer counters (Note [Same-node transport]) of this process and every worker, summed."""

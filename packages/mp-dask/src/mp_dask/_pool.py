@@ -5,7 +5,9 @@ Adapts ``multiprocessing/pool.py``: ``ApplyResult``, ``MapResult``,
 the callbacks of our tasks (see _tasks.py) instead of a result-handler thread.
 ``processes`` only sizes the default chunks (Dask decides where and how many
 tasks run at once: one per worker thread); ``maxtasksperchild`` is checked, and
-not applied, with a warning (see ``_tasks.not_applied``).
+not applied, with a warning (see ``_tasks.not_applied``). ``task_timeout`` and
+``apply_async(timeout=)`` limit a task's time as mp_reductions.Pool's do, by
+ending the worker running it (Note [Dask task timeouts] in _timeouts.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from multiprocessing.pool import ApplyResult as _ApplyResult
 from multiprocessing.pool import IMapIterator, IMapUnorderedIterator, MapResult
 
 from mp_reductions import progress_bar, track_progress
+from mp_reductions._pool import check_timeout
 
 from ._tasks import Tasks, apply_star, call_star, map_star, not_applied, starmap_star
 
@@ -31,7 +34,9 @@ class Pool:
 
     _state = TERMINATE  # a half-built pool is safe to terminate
 
-    def __init__(self, processes=None, initializer=None, initargs=(), maxtasksperchild=None, *, context):
+    def __init__(self, processes=None, initializer=None, initargs=(), maxtasksperchild=None, *, context,
+                 task_timeout=None):
+        task_timeout = check_timeout(task_timeout, "task_timeout")
         if processes is not None and processes < 1:
             raise ValueError("Number of processes must be at least 1")
         if maxtasksperchild is not None and (not isinstance(maxtasksperchild, int) or maxtasksperchild <= 0):
@@ -39,7 +44,7 @@ class Pool:
         if maxtasksperchild is not None:
             not_applied("maxtasksperchild")
         self._cache: dict = {}
-        self._tasks = Tasks(context, initializer, initargs)
+        self._tasks = Tasks(context, initializer, initargs, task_timeout)
         self._processes = processes or context.cpu_count()
         self._state = RUN
 
@@ -47,16 +52,21 @@ class Pool:
         if self._state != RUN:
             raise ValueError("Pool not running")
 
-    def _submit(self, result, star, func, payloads, kind: str) -> None:
-        self._tasks.submit(star, func, payloads, lambda i, success, value: result._set(i, (success, value)), kind)
+    def _submit(self, result, star, func, payloads, kind: str, limit=None) -> None:
+        self._tasks.submit(star, func, payloads, lambda i, success, value: result._set(i, (success, value)), kind,
+                           limit)
 
-    def apply(self, func, args=(), kwds={}):  # noqa: B006 - the stdlib's signature
-        return self.apply_async(func, args, kwds).get()
+    def apply(self, func, args=(), kwds={}, *, timeout=None):  # noqa: B006 - the stdlib's signature
+        return self.apply_async(func, args, kwds, timeout=timeout).get()
 
-    def apply_async(self, func, args=(), kwds={}, callback=None, error_callback=None):  # noqa: B006
+    def apply_async(self, func, args=(), kwds={}, callback=None, error_callback=None, *,  # noqa: B006
+                    timeout=None):
+        """The stdlib's; ``timeout``: this call's time limit in seconds instead of the pool's ``task_timeout``.
+        The result's ``get(timeout)`` only stops waiting, as the stdlib's."""
+        limit = check_timeout(timeout, "timeout")
         self._check_running()
         result = _ApplyResult(self, callback, error_callback)
-        self._submit(result, apply_star, func, [(tuple(args), dict(kwds))], "apply")
+        self._submit(result, apply_star, func, [(tuple(args), dict(kwds))], "apply", limit)
         return result
 
     # ``progress=True`` (or a dict of tqdm's options): mp_reductions.Pool's progress bar, advanced as results arrive.

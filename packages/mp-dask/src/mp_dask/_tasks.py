@@ -30,7 +30,10 @@ the scheduler told it, the task and its call. The copies of a lost argument
 leave this process's recycling pool at once (``mp_reductions.copies_lost``):
 the dead worker's view of them never comes back,
 so the pool would keep each as busy for ``BUSY_IDLES * IDLE`` seconds after it
-was sent (mp_reductions' Note [recycling]).
+was sent (mp_reductions' Note [recycling]). The error says how that worker
+ended when its nanny told (Note [Dask deaths explained] in _deaths.py). A task
+past its time limit ends its worker on purpose and is not sent again (Note
+[Dask task timeouts] in _timeouts.py).
 """
 
 from __future__ import annotations
@@ -50,9 +53,12 @@ import dask
 import mp_reductions
 from distributed import WorkerPlugin
 from distributed.scheduler import KilledWorker
-from mp_reductions import WorkerLostError
+from mp_reductions import TaskTimeoutError, WorkerLostError
+from mp_reductions._deaths import explain
+from mp_reductions._stats import count
 
-from . import _script
+from . import _deaths, _script
+from ._timeouts import Limited, timed_out
 from ._transport import Shipped, dumps_for_pool
 
 _CANCELLED = (concurrent.futures.CancelledError, asyncio.CancelledError)  # what a cancelled Dask future raises
@@ -60,30 +66,40 @@ _CANCELLED = (concurrent.futures.CancelledError, asyncio.CancelledError)  # what
 
 class DaskWorkerLostError(WorkerLostError):
     """Raised when the Dask worker that ran a task, or held its arguments, died (a signal, the out-of-memory
-    killer, a crash) more times than Dask retries a task (Note [Lost workers])."""
+    killer, a crash) more times than Dask retries a task (Note [Lost workers]). ``exitcode``, ``oom`` and ``rss``
+    are the last death's, as its nanny told (Note [Dask deaths explained]); ``exitcode`` None: not told."""
 
-    def __init__(self, address: str | None, pid: int | None, index: int, kind: str = "task", losses: int = 1):
-        super().__init__(pid, None, index, kind)
+    def __init__(self, address: str | None, pid: int | None, index: int, kind: str = "task", losses: int = 1,
+                 exitcode: int | None = None, oom: bool | None = None, rss: tuple | None = None):
+        super().__init__(pid, exitcode, index, kind, oom=oom, rss=rss)
         self.address, self.losses = address, losses
-        self.args = (address, pid, index, kind, losses)
+        self.args = (address, pid, index, kind, losses, exitcode, oom, rss)
 
     def __str__(self) -> str:
         who = f"worker {self.address or '(address unknown)'}" + (f" (pid {self.pid})" if self.pid else "")
-        return (f"{who} of the Dask cluster died (a signal, often the out-of-memory killer: see its nanny's log "
-                f"and `dmesg`) while it ran or held task {self.index} of {self.kind}; that task was lost "
-                f"{self.losses} time(s), and Dask sends a lost task again {self.losses - 1} time(s) "
-                "(distributed.scheduler.allowed-failures); the pool goes on with the other tasks; resubmit this "
-                "one, or give it less memory")
+        if self.exitcode is None:
+            how, why = "died", ("a signal, often the out-of-memory killer: see its nanny's log and `dmesg`; its "
+                                "nanny did not tell how")
+            remedy = "resubmit this one, or give it less memory"
+        else:
+            how, why, remedy = explain(self.exitcode, self.oom, self.rss)
+        why = f": {why}" if why else ""
+        return (f"{who} of the Dask cluster {how} while it ran or held task {self.index} of {self.kind}{why}; "
+                f"that task was lost {self.losses} time(s), and Dask sends a lost task again {self.losses - 1} "
+                "time(s) (distributed.scheduler.allowed-failures); the pool goes on with the other tasks; "
+                f"{remedy}")
 
     def __reduce__(self):
         return type(self), self.args
 
 
-def run(call: bytes, shipped: Shipped) -> Shipped:
-    """One task, on a worker: ``call`` is ``(star, func)`` pickled by ``dumps_for_pool``."""
+def run(call: bytes, shipped: Shipped, token: str | None = None, limit: float | None = None) -> Shipped:
+    """One task, on a worker: ``call`` is ``(star, func)`` pickled by ``dumps_for_pool``; ``limit``: its time
+    limit in seconds, ``token`` its name for it (Note [Dask task timeouts])."""
     try:
         star, func = pickle.loads(call)
-        out = (True, star(func, shipped.value))
+        with Limited(token, limit):
+            out = (True, star(func, shipped.value))
     except Exception as exc:
         out = (False, ExceptionWithTraceback(exc, exc.__traceback__))
         # the wrapper holds the traceback's text: the frames (this one, holding ``out``, and the task's, holding
@@ -156,10 +172,12 @@ class Initializer(WorkerPlugin):
 class Job:
     """One task of a batch, from submit until its outcome is handed on (sent again when lost)."""
 
-    __slots__ = ("index", "call", "payload", "done", "kind", "task", "arg", "sent", "losses", "cancelled")
+    __slots__ = ("index", "call", "payload", "done", "kind", "limit", "token", "task", "arg", "sent", "losses",
+                 "cancelled")
 
-    def __init__(self, index: int, call: bytes, payload, done, kind: str):
+    def __init__(self, index: int, call: bytes, payload, done, kind: str, limit: float | None):
         self.index, self.call, self.payload, self.done, self.kind = index, call, payload, done, kind
+        self.limit, self.token = limit, None  # its time limit, and its token now (Note [Dask task timeouts])
         self.task = self.arg = None  # the Dask futures of the task and of its argument, now
         self.sent = None  # the Shipped its argument went in
         self.losses = 0
@@ -169,10 +187,12 @@ class Job:
 class Tasks:
     """What one Pool or executor has on the cluster."""
 
-    def __init__(self, context, initializer=None, initargs=()):
+    def __init__(self, context, initializer=None, initargs=(), task_timeout: float | None = None):
         if initializer is not None and not callable(initializer):
             raise TypeError("initializer must be a callable")
+        self.task_timeout = task_timeout  # (checked by the caller: check_timeout)
         self.client = context.client
+        _deaths.tell(self.client)
         self.same_node = context.same_node
         self.namespace = f"arraymp-pool-{uuid.uuid4().hex}"  # Note [Script namespaces]
         self.allowed_failures = int(dask.config.get("distributed.scheduler.allowed-failures", 3))
@@ -189,13 +209,15 @@ class Tasks:
             call = dumps_for_pool((initializer, tuple(initargs)), self.namespace)
             self.client.register_plugin(Initializer(self.namespace, call), name=self.plugin)
 
-    def submit(self, star, func, payloads, done, kind: str = "task") -> list[Job]:
-        """One task per payload; ``done(i, success, value)`` once each ends (``kind``: the call, for errors)."""
+    def submit(self, star, func, payloads, done, kind: str = "task", limit: float | None = None) -> list[Job]:
+        """One task per payload; ``done(i, success, value)`` once each ends (``kind``: the call, for errors;
+        ``limit``: the call's time limit, else the pool's ``task_timeout``)."""
         payloads = list(payloads)
         if not payloads:
             return []
         call = dumps_for_pool((star, func), self.namespace)
-        jobs = [Job(i, call, p, done, kind) for i, p in enumerate(payloads)]
+        limit = self.task_timeout if limit is None else limit
+        jobs = [Job(i, call, p, done, kind, limit) for i, p in enumerate(payloads)]
         with self.lock:
             self.pending.update(jobs)
         try:
@@ -218,7 +240,8 @@ class Tasks:
             sent.clear()  # (the traceback holds this frame: the copies go with their last view here)
             raise
         for job, shipped, arg in zip(jobs, sent, args, strict=True):
-            task = self.client.submit(run, job.call, arg, pure=False)
+            job.token = uuid.uuid4().hex if job.limit is not None else None
+            task = self.client.submit(run, job.call, arg, job.token, job.limit, pure=False)
             with self.lock:
                 job.task, job.arg, job.sent, cancelled = task, arg, shipped, job.cancelled
             if cancelled:  # cancel() ran while the task was sent again
@@ -249,11 +272,18 @@ class Tasks:
         """Send a lost task again; None when sent, else the error it finishes with."""
         mp_reductions.copies_lost(job.sent.copies)
         mp_reductions.give_back_counts(job.sent.held)  # the worker that had the argument is gone
+        ended = timed_out(self.client, job.token) if job.limit is not None else None
+        if ended is not None:  # its worker ended itself for it (Note [Dask task timeouts])
+            count("task_timeouts")
+            return TaskTimeoutError(job.limit, job.index, job.kind, None, ended.get("pid"))
         job.losses += 1
         if isinstance(exc, KilledWorker) or job.losses > self.allowed_failures:
             address, pid = self._lost_worker(job, exc)
             losses = job.losses if not isinstance(exc, KilledWorker) else exc.allowed_failures + 1
-            return DaskWorkerLostError(address, pid, job.index, job.kind, losses)
+            told = _deaths.told(self.client, address) or {}
+            rss = told.get("rss")
+            return DaskWorkerLostError(address, pid or told.get("pid"), job.index, job.kind, losses,
+                                       told.get("exitcode"), told.get("oom"), None if rss is None else tuple(rss))
         if time.monotonic() - self.pids_at > 1.0:  # the dead worker's replacement, once per burst of losses
             self._learn_pids()
         try:

@@ -1,0 +1,122 @@
+"""How a Dask worker process ended, told by its nanny (Note [Dask deaths explained]).
+
+Note [Dask deaths explained]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The pool's own workers are its children: it reads their exit codes, their
+memory cgroup's OOM-kill counter and their resident size itself
+(mp_reductions' Note [deaths explained]). A Dask worker is its nanny's child,
+on any machine of the cluster, so the nanny tells: each context registers the
+nanny plugin ``ExitsTold`` (one name for every context: registering it again
+replaces it). On each nanny it samples its worker's pid, address, resident size
+and OOM-kill counter every ``RSS_INTERVAL`` seconds (the counter's baseline when
+it first sees a pid), and when the worker process ends it logs an event on the
+topic ``TOPIC`` with the address, pid, exit code, whether the OOM killer did it
+(mp_reductions' ``OomCounter.claim``: each count explains one death) and the
+last sample. The exit reaches the plugin through the nanny's exit callback
+(``Nanny._on_worker_exit_sync``, and the running ``WorkerProcess.on_exit``):
+distributed's, not public, so a distributed without them gets no plugin and
+every death reads as before ("died": how, not known), which a test on the
+installed distributed checks. A pool whose task is lost past Dask's retries
+(Note [Lost workers]) reads the events of the address the scheduler says lost
+it (``told``) and puts the last exit of that worker in its
+``DaskWorkerLostError``: the signal or exit code, the OOM killer or not, the
+memory. A worker that died within ``RSS_INTERVAL`` of its start is told
+without its pid and memory; a cluster whose workers have no nanny tells
+nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from distributed.diagnostics.plugin import NannyPlugin
+from mp_reductions._deaths import RSS_INTERVAL, OomCounter, resident
+
+TOPIC = "arraymp-worker-exits"
+NAME = "arraymp-exits-told"
+WAIT = 2.0  # seconds a lost task's pool waits for its worker's exit to be told
+
+
+class ExitsTold(NannyPlugin):
+    """On each nanny: its worker's last sample, and an event on ``TOPIC`` when the worker process ends."""
+
+    def setup(self, nanny):
+        from tornado.ioloop import PeriodicCallback
+
+        self.nanny, self.last, self.counters = nanny, None, None
+        told = getattr(nanny, "_on_worker_exit_sync", None)
+        if told is None:
+            return  # (a distributed without the callback: nothing told)
+
+        def on_exit(exitcode, _told=told):
+            try:
+                self.exited(exitcode)
+            finally:
+                _told(exitcode)
+
+        nanny._on_worker_exit_sync = on_exit  # the workers it starts from now on
+        process = getattr(nanny, "process", None)
+        if process is not None and hasattr(process, "on_exit"):
+            process.on_exit = on_exit  # the running one
+        self.counters = OomCounter()
+        self.sample()
+        self.sampler = PeriodicCallback(self.sample, RSS_INTERVAL * 1000)
+        self.sampler.start()
+
+    def sample(self) -> None:
+        """The worker's pid, address, memory and OOM baseline now (the baseline kept while the pid is the same)."""
+        pid, address = self.nanny.pid, self.nanny.worker_address
+        if pid is None or address is None:
+            return
+        if self.last is not None and self.last["pid"] == pid:
+            counter, baseline = self.last["counter"], self.last["baseline"]
+        else:
+            counter = self.counters.of(pid)
+            baseline = counter.read()
+        got = resident(pid)
+        self.last = {"pid": pid, "address": address, "counter": counter, "baseline": baseline,
+                     "rss": None if got is None else (*got, time.monotonic())}
+
+    def exited(self, exitcode) -> None:
+        last, self.last = self.last, None
+        if last is None:
+            return
+        oom = last["counter"].claim(last["baseline"]) if exitcode == -9 else None
+        rss = last["rss"]
+        self.nanny.log_event(TOPIC, {
+            "address": last["address"], "pid": last["pid"], "exitcode": exitcode, "oom": oom,
+            "rss": None if rss is None else [rss[0], rss[1], max(0.0, time.monotonic() - rss[2])],
+            "host": os.uname().nodename})
+
+    def teardown(self, nanny):
+        sampler = getattr(self, "sampler", None)
+        if sampler is not None:
+            sampler.stop()
+
+
+def tell(client) -> None:
+    """Register the plugin on the cluster's nannies (a cluster without nannies: nothing is told)."""
+    try:
+        client.register_plugin(ExitsTold(), name=NAME)
+    except Exception:  # (no nanny plugins on this cluster, or a worker without our package)
+        pass
+
+
+def told(client, address: str | None) -> dict | None:
+    """The exit of the worker at ``address`` (an address names one worker process: a restarted one has a new
+    port), waiting up to ``WAIT`` s for its nanny's event; None when none is told."""
+    if address is None:
+        return None
+    deadline = time.monotonic() + WAIT
+    while True:
+        try:
+            events = client.get_events(TOPIC)
+        except Exception:
+            return None
+        for _, msg in reversed(events):
+            if isinstance(msg, dict) and msg.get("address") == address:
+                return msg
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
