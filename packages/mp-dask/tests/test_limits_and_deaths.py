@@ -13,6 +13,7 @@ import mp_reductions
 import numpy as np
 import pytest
 from _targets import crash, f, pid_then_sleep
+from mp_dask import _deaths
 from conftest import CLUSTER, pid_alive, segments, wait_until
 
 
@@ -81,11 +82,14 @@ def test_a_bad_limit_says_what_is_taken(scratch):
 def test_a_worker_that_crashed_is_told_by_its_nanny(scratch):
     a = np.full(1 << 18, 3, np.float32)
     with mp_dask.get_context(**CLUSTER, local_directory=scratch) as ctx:
+        ctx.Pool(2).terminate()  # a pool before: the nannies are told once, however many pools (idempotent)
         with dask.config.set({"distributed.scheduler.allowed-failures": 0}):  # the pool's: no second try
             p = ctx.Pool(2)
         with pytest.raises(mp_dask.DaskWorkerLostError) as info:
             p.apply(crash, (a,))
         err = info.value
+        told = [msg for _, msg in ctx.client.get_events(_deaths.TOPIC) if msg["address"] == err.address]
+        assert len(told) == 1 and told[0]["exitcode"] == -11, told
         assert err.exitcode == -11 and err.signal_name == "SIGSEGV", str(err)
         assert "died with signal SIGSEGV" in str(err) and "a crash in native code" in str(err), str(err)
         assert str(pickle.loads(pickle.dumps(err))) == str(err)

@@ -5,9 +5,11 @@ Note [Dask deaths explained]
 The pool's own workers are its children: it reads their exit codes, their
 memory cgroup's OOM-kill counter and their resident size itself
 (mp_reductions' Note [deaths explained]). A Dask worker is its nanny's child,
-on any machine of the cluster, so the nanny tells: each context registers the
-nanny plugin ``ExitsTold`` (one name for every context: registering it again
-replaces it). On each nanny it samples its worker's pid, address, resident size
+on any machine of the cluster, so the nanny tells: each pool registers the
+nanny plugin ``ExitsTold`` under one name, idempotent (the first registration
+stays: a plugin set up twice on a nanny would wrap its callback twice and tell
+each death twice, the second from a torn-down plugin's stale sample; a nanny
+started later gets it from the scheduler). On each nanny it samples its worker's pid, address, resident size
 and OOM-kill counter every ``RSS_INTERVAL`` seconds (the counter's baseline when
 it first sees a pid), and when the worker process ends it logs an event on the
 topic ``TOPIC`` with the address, pid, exit code, whether the OOM killer did it
@@ -41,21 +43,23 @@ WAIT = 2.0  # seconds a lost task's pool waits for its worker's exit to be told
 class ExitsTold(NannyPlugin):
     """On each nanny: its worker's last sample, and an event on ``TOPIC`` when the worker process ends."""
 
+    idempotent = True
+
     def setup(self, nanny):
         from tornado.ioloop import PeriodicCallback
 
-        self.nanny, self.last, self.counters = nanny, None, None
-        told = getattr(nanny, "_on_worker_exit_sync", None)
+        self.nanny, self.last, self.sampler, self.on_exit = nanny, None, None, None
+        self.told = told = getattr(nanny, "_on_worker_exit_sync", None)
         if told is None:
             return  # (a distributed without the callback: nothing told)
 
-        def on_exit(exitcode, _told=told):
+        def on_exit(exitcode):
             try:
                 self.exited(exitcode)
             finally:
-                _told(exitcode)
+                told(exitcode)
 
-        nanny._on_worker_exit_sync = on_exit  # the workers it starts from now on
+        self.on_exit = nanny._on_worker_exit_sync = on_exit  # the workers it starts from now on
         process = getattr(nanny, "process", None)
         if process is not None and hasattr(process, "on_exit"):
             process.on_exit = on_exit  # the running one
@@ -90,13 +94,18 @@ class ExitsTold(NannyPlugin):
             "host": os.uname().nodename})
 
     def teardown(self, nanny):
-        sampler = getattr(self, "sampler", None)
-        if sampler is not None:
-            sampler.stop()
+        if self.on_exit is None:
+            return
+        self.sampler.stop()
+        if nanny.__dict__.get("_on_worker_exit_sync") is self.on_exit:
+            nanny._on_worker_exit_sync = self.told
+        process = getattr(nanny, "process", None)
+        if process is not None and getattr(process, "on_exit", None) is self.on_exit:
+            process.on_exit = self.told
 
 
 def tell(client) -> None:
-    """Register the plugin on the cluster's nannies (a cluster without nannies: nothing is told)."""
+    """Register the plugin on the cluster's nannies, once (a cluster without nannies: nothing is told)."""
     try:
         client.register_plugin(ExitsTold(), name=NAME)
     except Exception:  # (no nanny plugins on this cluster, or a worker without our package)
