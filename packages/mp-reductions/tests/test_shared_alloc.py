@@ -316,6 +316,8 @@ def test_moves_gives_only_arrays_held_by_the_result_alone():
     del other
     assert moves(result) == {id(result[1])}
     assert moves((True, [[0] * 50_000, [1] * 50_001, private(T.N)])) == set()  # past WALK_MAX: copied, never wrong
+    result = (True, [[0.5] * 50_000, private(T.N)])
+    assert moves(result) == {id(result[1][1])}  # atoms count toward WALK_MAX, and are never held
     assert moves((True, np.ones(T.N))) == set()  # numpy's own memory: nothing to move
     assert moves((True, [1, "x", None])) == set()
     KEPT_HERE.clear()
