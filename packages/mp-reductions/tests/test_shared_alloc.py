@@ -323,6 +323,31 @@ def test_moves_gives_only_arrays_held_by_the_result_alone():
     KEPT_HERE.clear()
 
 
+def test_small_arrays_beside_a_live_born_private_one_travel_inline_and_whole():
+    # _reductions Note [small arrays]: with a born-private array alive (``_shared.owned`` not empty), a small array
+    # that owns its data still skips the search for a segment; a small view of the born-private one is searched
+    # for, and copied inline too (it is a plain array's memory to any message that does not move it)
+    from mp_reductions import _shared
+
+    keep = private(T.N, fill=3.0)
+    assert _shared.owned
+    small = [np.arange(5.0), np.arange(6, dtype=">i4"), keep[:3], np.ones(8)[::2], np.zeros(4, np.float32)]
+    small[4].flags.writeable = False
+    a, b = mpr.Pipe()
+    with mpr.stats() as counted:
+        a.send(small)
+        got = b.recv()
+    assert counted.arrays_inline == len(small)
+    for sent, came in zip(small, got, strict=True):
+        assert np.array_equal(sent, came) and sent.dtype == came.dtype
+        assert came.flags.writeable == sent.flags.writeable and not np.shares_memory(came, keep)
+    got[2][0] = -1.0
+    assert keep[0] == 3.0  # a snapshot
+    a.close()
+    b.close()
+    del keep
+
+
 def test_fork_gives_the_child_born_private_arrays_copy_on_write():
     import shm_core
     from mp_reductions import _shared

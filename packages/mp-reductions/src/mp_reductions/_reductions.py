@@ -59,7 +59,7 @@ import numpy as np
 import shm_core
 import shm_manager
 
-from . import _recycle, _shared, _stats
+from . import _alloc, _recycle, _shared, _stats
 from ._strategy import get_inline_threshold, get_sharing_strategy
 
 MAX_FDS = 250  # the kernel passes at most 253 descriptors in one message (SCM_MAX_FD)
@@ -356,8 +356,8 @@ def _readonly(arr: np.ndarray) -> bool:
 def reduce_ndarray(arr: np.ndarray):
     """The reduction of a numpy array (registered for ``numpy.ndarray`` itself)."""
     ctx = tls.ctx
-    if type(ctx) is Outgoing and arr.base is None and not _shared.owned and arr.nbytes < get_inline_threshold() \
-            and not arr.dtype.hasobject:
+    if type(ctx) is Outgoing and arr.base is None and arr.nbytes < get_inline_threshold() \
+            and (not _shared.owned or arr.nbytes < _alloc.THRESHOLD) and not arr.dtype.hasobject:
         ctx.arrays += 1
         ctx.arrays_inline += 1
         ctx.bytes_inline += arr.nbytes
@@ -449,9 +449,12 @@ def _inline(arr: np.ndarray) -> tuple:
 # loaded in 196 us, against 603 us through rebuild_inline), any other by rebuild_inline (its bytes, its dtype's
 # string, byte order and read-only flag kept). A message of a thousand small arrays is pickled once, at
 # about the cost of the stdlib's pickle of it (it was pickled a second time, each of them put in shared memory,
-# when its pickle passed INLINE bytes: it is spilled now, Note [spills]). On our channels one that numpy owns (no
-# base) in a process with no shared allocation (_alloc: ``_shared.owned`` empty) is in no segment: it skips the
-# search for one (segment_of, the moves of _alloc Note [moving results]).
+# when its pickle passed INLINE bytes: it is spilled now, Note [spills]). On our channels one that owns its data (no
+# base) is in no segment when the process has no shared allocation (_alloc: ``_shared.owned`` empty) or it is under
+# _alloc's THRESHOLD (the shared handler holds no allocation under it: its realloc moves data by size): it skips
+# the search for one (segment_of, and the walk of _alloc Note [moving results], which leaves it out). A worker
+# keeping one born-private array alive sent every small array the slow way: a Pool.map of dicts of 50 small arrays
+# ran 1.3x the stdlib's.
 def rebuild_inline(data: bytes, dtype, shape, order: str, readonly: bool) -> np.ndarray:
     """Rebuild a small array sent inside the pickle, byte order and read-only flag kept (numpy's own
     protocol-4 reduction, which the stdlib uses, loses both)."""
