@@ -13,8 +13,8 @@ import mp_reductions
 import numpy as np
 import pytest
 from _targets import crash, f, pid_then_sleep
-from mp_dask import _deaths
 from conftest import CLUSTER, pid_alive, segments, wait_until
+from mp_dask import _deaths
 
 
 def pid_in(marker: str) -> int:
