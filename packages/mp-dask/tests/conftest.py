@@ -48,6 +48,13 @@ def wait_until(pred, timeout: float, what: str) -> float:
     return time.monotonic() - t0
 
 
+def started(marker: str) -> int:
+    """The pid a task wrote in ``marker`` as it started (waiting for it)."""
+    wait_until(lambda: os.path.exists(marker), 60, f"a task to start and write {marker}")
+    with open(marker) as fh:
+        return int(fh.read())
+
+
 def kill(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGKILL)

@@ -3,7 +3,6 @@ explained]): the Dask context's Pool and executor, as mp_reductions.Pool's."""
 
 from __future__ import annotations
 
-import os
 import pickle
 import time
 
@@ -13,14 +12,8 @@ import mp_reductions
 import numpy as np
 import pytest
 from _targets import crash, f, pid_then_sleep
-from conftest import CLUSTER, pid_alive, segments, wait_until
+from conftest import CLUSTER, pid_alive, segments, started, wait_until
 from mp_dask import _deaths
-
-
-def pid_in(marker: str) -> int:
-    wait_until(lambda: os.path.exists(marker), 60, "the long task to start")
-    with open(marker) as fh:
-        return int(fh.read())
 
 
 def test_a_task_past_the_pools_limit_fails_and_the_others_complete(scratch, tmp_path):
@@ -31,7 +24,7 @@ def test_a_task_past_the_pools_limit_fails_and_the_others_complete(scratch, tmp_
         with mp_reductions.stats() as counted:
             t0 = time.monotonic()
             long = p.apply_async(pid_then_sleep, (args[0], 60, marker))
-            pid = pid_in(marker)
+            pid = started(marker)
             short = [p.apply_async(pid_then_sleep, (a, 0.1)) for a in args[1:]]
             with pytest.raises(mp_reductions.TaskTimeoutError) as info:
                 long.get(60)
@@ -57,7 +50,7 @@ def test_a_calls_own_limit_on_the_executor_and_none_without_one(scratch, tmp_pat
         with ctx.ProcessPoolExecutor(2) as ex:
             slow = ex.submit(pid_then_sleep, a, 2.5)  # no limit: it runs to its end
             long = ex.submit(pid_then_sleep, a, 60, marker, task_timeout=1)
-            pid = pid_in(marker)
+            pid = started(marker)
             err = long.exception(60)
             assert isinstance(err, mp_reductions.TaskTimeoutError), repr(err)
             assert (err.limit, err.kind, err.pid) == (1, "submit", pid)

@@ -13,17 +13,11 @@ import mp_reductions
 import numpy as np
 import pytest
 from _targets import DiesWhenUnpickled, f, first_sum, stall_first
-from conftest import CLUSTER, kill, pid_alive, segments, wait_until
+from conftest import CLUSTER, kill, pid_alive, segments, started, wait_until
 
 
 def arrays() -> list[np.ndarray]:
     return [np.full(1 << 18, i, np.float32) for i in range(16)]  # 1 MiB each: they travel as handles
-
-
-def started(marker: str) -> int:
-    wait_until(lambda: os.path.exists(marker), 60, "the first task to start")
-    with open(marker) as fh:
-        return int(fh.read())
 
 
 def test_tasks_of_a_killed_worker_are_sent_again(scratch, tmp_path):
