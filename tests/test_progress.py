@@ -97,3 +97,29 @@ def test_a_lambda_given_to_the_executor_says_to_define_it_with_def(method):
         note = "\n".join(info.value.__notes__)
         assert f"The lambda (defined at {__file__}:" in note, note
         assert "Define it with `def` at the top level of a module" in note and 'backend="arraymp"' in note
+
+
+NOTEBOOK_CELL = """
+import arraymp as mp
+with mp.Pool(2) as pool:
+    print(pool.map(abs, range(-20, 0), progress={"desc": "nb"}))
+"""
+
+
+def test_a_notebook_gets_tqdms_widget_and_no_text_bar(tmp_path):
+    # a Jupyter kernel's stderr is no terminal, yet the bar is seen there: tqdm.auto's widget (mp_reductions'
+    # _progress), run in a real kernel by nbclient
+    nbformat = pytest.importorskip("nbformat", reason="nbformat, nbclient, ipykernel and ipywidgets: nox -s facade")
+    nbclient = pytest.importorskip("nbclient", reason="nbclient runs the notebook: nox -s facade installs it")
+    pytest.importorskip("ipykernel", reason="a Jupyter kernel: nox -s facade installs ipykernel")
+    pytest.importorskip("ipywidgets", reason="tqdm's notebook bar is an ipywidgets widget: nox -s facade")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(NOTEBOOK_CELL)]
+    nbclient.NotebookClient(nb, timeout=TIMEOUT, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = nb.cells[0].outputs
+    widgets = [o for o in outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    assert len(widgets) == 1, outputs
+    printed = "".join(o.get("text", "") for o in outputs if o.get("name") == "stdout")
+    assert printed.strip() == str(list(range(20, 0, -1)))
+    assert not any(o.get("name") == "stderr" and "nb:" in o.get("text", "") for o in outputs), outputs
