@@ -22,9 +22,9 @@ installed distributed checks. A pool whose task is lost past Dask's retries
 (Note [Lost workers]) reads the events of the address the scheduler says lost
 it (``told``) and puts the last exit of that worker in its
 ``DaskWorkerLostError``: the signal or exit code, the OOM killer or not, the
-memory. A worker that died within ``RSS_INTERVAL`` of its start is told
-without its pid and memory; a cluster whose workers have no nanny tells
-nothing.
+memory. A worker that died before the plugin's first sample of it (within
+``RSS_INTERVAL`` of its start) is not told, nor are the workers of a cluster
+without nannies: their errors say that their nanny did not tell how.
 """
 
 from __future__ import annotations
