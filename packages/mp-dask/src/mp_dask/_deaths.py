@@ -37,7 +37,7 @@ from mp_reductions._deaths import RSS_INTERVAL, OomCounter, resident
 
 TOPIC = "arraymp-worker-exits"
 NAME = "arraymp-exits-told"
-WAIT = 2.0  # seconds a lost task's pool waits for its worker's exit to be told
+WAIT = 5.0  # seconds a lost task's pool waits for its worker's exit to be told (the nanny's event; a loaded machine)
 
 
 class ExitsTold(NannyPlugin):
@@ -117,14 +117,19 @@ def told(client, address: str | None) -> dict | None:
     port), waiting up to ``WAIT`` s for its nanny's event; None when none is told."""
     if address is None:
         return None
-    deadline = time.monotonic() + WAIT
+    return event(client, TOPIC, lambda msg: msg.get("address") == address, WAIT)
+
+
+def event(client, topic: str, match, wait: float) -> dict | None:
+    """The newest event of ``topic`` whose message ``match``es, waiting up to ``wait`` s for it; None."""
+    deadline = time.monotonic() + wait
     while True:
         try:
-            events = client.get_events(TOPIC)
+            events = client.get_events(topic)
         except Exception:
             return None
         for _, msg in reversed(events):
-            if isinstance(msg, dict) and msg.get("address") == address:
+            if isinstance(msg, dict) and match(msg):
                 return msg
         if time.monotonic() > deadline:
             return None

@@ -202,6 +202,7 @@ class Tasks:
         self.closed = False
         self.pids_at = 0.0
         self.pids: dict[str, int] = {}  # worker address -> pid, as the scheduler last told (Note [Lost workers])
+        self.exits: dict[str | None, dict | None] = {}  # dead worker's address -> its exit, as its nanny told
         self._learn_pids()
         self.plugin = None
         if initializer is not None:
@@ -280,7 +281,7 @@ class Tasks:
         if isinstance(exc, KilledWorker) or job.losses > self.allowed_failures:
             address, pid = self._lost_worker(job, exc)
             losses = job.losses if not isinstance(exc, KilledWorker) else exc.allowed_failures + 1
-            told = _deaths.told(self.client, address) or {}
+            told = self._told(address) or {}
             rss = told.get("rss")
             return DaskWorkerLostError(address, pid or told.get("pid"), job.index, job.kind, losses,
                                        told.get("exitcode"), told.get("oom"), None if rss is None else tuple(rss))
@@ -291,6 +292,17 @@ class Tasks:
         except Exception as send_exc:  # the cluster is going away
             return send_exc
         return None
+
+    def _told(self, address: str | None) -> dict | None:
+        """How the worker at ``address`` ended (Note [Dask deaths explained]), looked up (and waited for) once per
+        worker: the tasks a death fails all ask, in the callback thread."""
+        with self.lock:
+            if address in self.exits:
+                return self.exits[address]
+        told = _deaths.told(self.client, address)
+        with self.lock:
+            self.exits[address] = told
+        return told
 
     def _learn_pids(self) -> None:
         """The workers' pids, from the scheduler (a scheduler without mp-dask installed says nothing)."""

@@ -30,6 +30,8 @@ import signal
 import threading
 import time
 
+from ._deaths import event
+
 TOPIC = "arraymp-task-timeouts"
 TICK = 0.05  # seconds between the watchdog's looks at the running tasks
 FLUSH = 0.25  # seconds between the event and the worker's end
@@ -85,14 +87,9 @@ def _watch(worker) -> None:
 
 
 def timed_out(client, token: str | None) -> dict | None:
-    """The event of the worker that ended itself for the task of ``token``, or None."""
+    """The event of the worker that ended itself for the task of ``token``, or None. Not waited for: it reached the
+    scheduler before the worker's end (``FLUSH``), which the loss follows; and a lost task with a limit looks, so
+    a wait would delay every task lost beside a timed-out one."""
     if token is None:
         return None
-    try:
-        events = client.get_events(TOPIC)
-    except Exception:
-        return None
-    for _, msg in reversed(events):
-        if isinstance(msg, dict) and token in msg.get("tokens", ()):
-            return msg
-    return None
+    return event(client, TOPIC, lambda msg: token in msg.get("tokens", ()), 0.0)
