@@ -20,7 +20,8 @@ distributed's, not public, so a distributed without them gets no plugin and
 every death reads as before ("died": how, not known), which a test on the
 installed distributed checks. A pool whose task is lost past Dask's retries
 (Note [Lost workers]) reads the events of the address the scheduler says lost
-it (``told``) and puts the last exit of that worker in its
+it (``told``: waited for up to ``WAIT`` seconds, once per worker, since every
+task that death fails asks) and puts the last exit of that worker in its
 ``DaskWorkerLostError``: the signal or exit code, the OOM killer or not, the
 memory. A worker that died before the plugin's first sample of it (within
 ``RSS_INTERVAL`` of its start) is not told, nor are the workers of a cluster
