@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import threading
 
-from . import _transport
+from . import _deaths, _transport
 
 
 class DaskContext:
@@ -50,6 +50,7 @@ class DaskContext:
                         self._cluster.close()
                         self._cluster = None
                         raise
+                _deaths.tell(self._client)  # once per client (Note [Dask deaths explained])
             return self._client
 
     def cpu_count(self) -> int:

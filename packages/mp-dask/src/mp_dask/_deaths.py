@@ -5,8 +5,8 @@ Note [Dask deaths explained]
 The pool's own workers are its children: it reads their exit codes, their
 memory cgroup's OOM-kill counter and their resident size itself
 (mp_reductions' Note [deaths explained]). A Dask worker is its nanny's child,
-on any machine of the cluster, so the nanny tells: each pool registers the
-nanny plugin ``ExitsTold`` under one name, idempotent (the first registration
+on any machine of the cluster, so the nanny tells: each context's client registers
+the nanny plugin ``ExitsTold`` under one name, idempotent (the first registration
 stays: a plugin set up twice on a nanny would wrap its callback twice and tell
 each death twice, the second from a torn-down plugin's stale sample; a nanny
 started later gets it from the scheduler). On each nanny it samples its worker's pid, address, resident size
@@ -30,7 +30,6 @@ without nannies: their errors say that their nanny did not tell how.
 
 from __future__ import annotations
 
-import os
 import time
 
 from distributed.diagnostics.plugin import NannyPlugin
@@ -91,8 +90,7 @@ class ExitsTold(NannyPlugin):
         rss = last["rss"]
         self.nanny.log_event(TOPIC, {
             "address": last["address"], "pid": last["pid"], "exitcode": exitcode, "oom": oom,
-            "rss": None if rss is None else [rss[0], rss[1], max(0.0, time.monotonic() - rss[2])],
-            "host": os.uname().nodename})
+            "rss": None if rss is None else [rss[0], rss[1], max(0.0, time.monotonic() - rss[2])]})
 
     def teardown(self, nanny):
         if self.on_exit is None:

@@ -191,8 +191,7 @@ class Tasks:
         if initializer is not None and not callable(initializer):
             raise TypeError("initializer must be a callable")
         self.task_timeout = task_timeout  # (checked by the caller: check_timeout)
-        self.client = context.client
-        _deaths.tell(self.client)
+        self.client = context.client  # (its nanny plugin registered: _deaths.tell)
         self.same_node = context.same_node
         self.namespace = f"arraymp-pool-{uuid.uuid4().hex}"  # Note [Script namespaces]
         self.allowed_failures = int(dask.config.get("distributed.scheduler.allowed-failures", 3))

@@ -7,8 +7,9 @@ A task of a pool with ``task_timeout`` (or of a call with its own limit:
 token of its own (one per sending: a task sent again gets a new one). ``run``
 starts the clock as the task starts on the worker (a task waiting for a worker
 thread uses none of it) and stops it as it ends. A watchdog thread of the
-worker process, started with its first limited task, wakes every ``TICK``
-seconds while any runs; a task past its limit has the worker log an event on
+worker process, started with its first limited task, sleeps until the nearest
+deadline of the tasks running (woken as one starts), and while none runs until
+one does; a task past its limit has the worker log an event on
 ``TOPIC`` with the tokens of every task past its limit, and, ``FLUSH`` seconds
 later (the event reaches the scheduler first), end its own process: SIGTERM,
 then SIGKILL ``GRACE`` seconds later (a thread cannot be stopped; the process
@@ -30,15 +31,15 @@ import signal
 import threading
 import time
 
+from mp_reductions._pool import GRACE  # seconds between SIGTERM and SIGKILL, as the local pool's
+
 from ._deaths import event
 
 TOPIC = "arraymp-task-timeouts"
-TICK = 0.05  # seconds between the watchdog's looks at the running tasks
 FLUSH = 0.25  # seconds between the event and the worker's end
-GRACE = 0.5  # seconds between SIGTERM and SIGKILL (as mp_reductions.Pool's)
 
-_lock = threading.Lock()
-_running: dict[str, tuple[float, float]] = {}  # token -> (deadline by time.monotonic, limit)
+_changed = threading.Condition()  # guards _running and _watchdog; notified as a limited task starts
+_running: dict[str, float] = {}  # token -> deadline by time.monotonic
 _watchdog: threading.Thread | None = None
 
 
@@ -55,31 +56,31 @@ class Limited:
         from distributed import get_worker
 
         worker = get_worker()
-        with _lock:
-            _running[self.token] = (time.monotonic() + self.limit, self.limit)
+        with _changed:
+            _running[self.token] = time.monotonic() + self.limit
             if _watchdog is None:
                 _watchdog = threading.Thread(target=_watch, args=(worker,), name="arraymp-task-timeouts",
                                              daemon=True)
                 _watchdog.start()
+            _changed.notify()
         return self
 
     def __exit__(self, *exc):
         if self.limit is not None:
-            with _lock:
+            with _changed:
                 _running.pop(self.token, None)
 
 
 def _watch(worker) -> None:
-    while True:
-        now = time.monotonic()
-        with _lock:
-            late = [(token, limit) for token, (deadline, limit) in _running.items() if deadline <= now]
-            nearest = min((deadline for deadline, _ in _running.values()), default=now + TICK)
-        if late:
-            break
-        time.sleep(min(TICK, max(0.0, nearest - now)))
-    worker.log_event(TOPIC, {"tokens": [token for token, _ in late], "limits": [limit for _, limit in late],
-                             "pid": os.getpid(), "address": worker.address})
+    with _changed:
+        while True:
+            now = time.monotonic()
+            late = [token for token, deadline in _running.items() if deadline <= now]
+            if late:
+                break
+            nearest = min(_running.values(), default=None)
+            _changed.wait(None if nearest is None else nearest - now)
+    worker.log_event(TOPIC, {"tokens": late, "pid": os.getpid()})
     time.sleep(FLUSH)
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(GRACE)
