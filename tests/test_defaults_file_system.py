@@ -106,9 +106,11 @@ if __name__ == "__main__":
 @pytest.mark.parametrize("method", ["fork"])  # (forkserver and spawn workers start slower than this killer kills)
 def test_a_pool_whose_workers_are_killed_leaves_no_segments_under_file_system(method, tmp_path):
     # Issue 35, scenario 8: 108 named segments were left 10 s after close/join; the counts a fork child inherits are
-    # given to the daemon by pid (shm_manager Note [Counts given at fork]) and a segment's name and count are told
-    # before its file exists (mp_reductions _shared._create). What a kill can still leave (a message lost in flight,
-    # a file killed while half made) goes when the group ends: a few at most.
+    # given to the daemon by pid (shm_manager Note [Counts given at fork]), a segment's name and count are in the
+    # daemon's socket before its file exists (mp_reductions _shared._create), tasks keep their counts in the parent
+    # (Note [kept counts]) and results tell theirs to the daemon (Note [results told]): 1 segment in 24 runs here,
+    # 1-6 per run before the last two. What a kill can still leave goes when the group ends: a worker killed in the
+    # microseconds between a count and that count's frame in the daemon's socket.
     import subprocess
     import sys
 
@@ -119,4 +121,4 @@ def test_a_pool_whose_workers_are_killed_leaves_no_segments_under_file_system(me
     assert r.returncode == 0, r.stderr[-3000:]
     lost, left = map(int, r.stdout.split())
     assert lost > 0, "no worker was killed mid-task: the test tested nothing"
-    assert left <= 20, f"{left} named segments left 10 s after close/join ({lost} tasks lost)"
+    assert left <= 2, f"{left} named segments left 10 s after close/join ({lost} tasks lost)"

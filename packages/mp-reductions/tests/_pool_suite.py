@@ -507,6 +507,23 @@ class PoolSuite:
         assert_none_left(pids)
 
     @pytest.mark.parametrize("strategy", ["file_system"], indirect=True)
+    def test_a_worker_killed_after_its_results_count_before_its_send_leaves_no_segment(self, ctx, strategy):
+        # issue 35 (8): a worker killed between a result's in-flight count and its send left the count up until
+        # the group ended; now the daemon adds it when told or taken, and gives back what the pool never took
+        # once the pool has read all the dead worker sent (_reductions Note [results told])
+        with mpr.Pool(1, context=ctx) as pool:
+            pids = {os.getpid(), pool._pool[0].pid}
+            for _ in range(3):
+                with pytest.raises(mpr.WorkerLostError):
+                    pool.apply_async(T.shared_then_dies, (100_000,)).get(TIMEOUT)  # 800 KB: a named segment
+                pids |= {p.pid for p in pool._pool}
+                assert_none_left(pids)  # the pool goes on: its worker's death settled, nothing kept
+            assert pool.apply_async(T.first_sum, (None, np.full(10, 3.0))).get(TIMEOUT) == 30.0  # it works on
+            pids |= {p.pid for p in pool._pool}
+        pool.join()
+        assert_none_left(pids)
+
+    @pytest.mark.parametrize("strategy", ["file_system"], indirect=True)
     def test_tasks_queued_for_a_killed_worker_keep_arrays_the_caller_dropped(self, ctx, strategy):
         # Note [kept counts]: the parent's count of each queued task's segment is up until its task is done with,
         # so the replacement that runs it maps it, although the caller dropped the array as it submitted it

@@ -122,6 +122,23 @@ class DiesWhenUnpickled:
         return _die_in_a_worker, ()
 
 
+class DiesWhenPickled:
+    """Part of a result whose pickling kills the pool worker: one put after an array kills it once the array's
+    in-flight count is taken, before the result is sent."""
+
+    def __reduce__(self):
+        os.kill(os.getpid(), 9)
+
+
+def shared_then_dies(n):
+    """A result naming a named segment (file_system, whatever the start method passed on) and killing its worker
+    as it is pickled."""
+    mpr.set_sharing_strategy("file_system")
+    a = mpr.empty_shared(n)
+    a[:] = 5
+    return a, DiesWhenPickled()
+
+
 def die_after(seconds):
     time.sleep(seconds)
     os.kill(os.getpid(), 9)

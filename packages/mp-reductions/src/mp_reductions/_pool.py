@@ -216,7 +216,7 @@ from ._channel import INLINE, Packet, check_openable, loads, recv_fds, recv_raw
 from ._hints import add_pickling_hint
 from ._progress import chunk_sizes, counted, progress_bar, track_progress
 from ._queues import SimpleQueue
-from ._reductions import MAX_FDS, init_reductions
+from ._reductions import MAX_FDS, init_reductions, tls
 
 DEPTH = 4  # messages sent to a worker's queue and unfinished: the one it runs and the next ones (Note [lost tasks])
 BATCH_MAX = 64  # tasks in one message at most (Note [batches])
@@ -602,10 +602,12 @@ def _next_task(reader, waiter, collector: _Collector):
 
 
 def worker(inqueue, outqueue, initializer=None, initargs=(), maxtasks=None, wrap_exception=False, group=None,
-           short=None, shared_results=False, clock=None):
+           short=None, shared_results=False, clock=None, reader=None):
     """The stdlib's pool worker on its own slot's queue, plus the group, the heads, batches, short results
     (sent on ``short``, Note [batches]), results born in shared memory (``shared_results``: Note [shared
-    allocation]), the running task on ``clock`` (Note [task timeouts]) and the garbage collections."""
+    allocation]), the running task on ``clock`` (Note [task timeouts]), the garbage collections, and the
+    in-flight counts of its results told to the daemon as sent to ``reader``, the pool's process (_reductions
+    Note [results told])."""
     if maxtasks is not None and not (isinstance(maxtasks, int) and maxtasks >= 1):
         raise AssertionError(f"Maxtasks {maxtasks!r} is not valid")
     if group is not None:
@@ -654,7 +656,7 @@ def worker(inqueue, outqueue, initializer=None, initargs=(), maxtasks=None, wrap
             now = time.perf_counter()  # one clock for the task's time and the collections'
             if words is not None:
                 _idle(words, base)  # before its result goes: a result sent is never timed out
-            _send_result(out, short, job, i, now - t0, result)
+            _send_result(out, short, job, i, now - t0, result, reader)
             task = task_fds = result = None
             completed += 1
             collector.after_task(now)
@@ -688,13 +690,18 @@ def prepare_worker(shared_results: bool) -> None:
         pass
 
 
-def _send_result(out, short, job, i, seconds: float, result: tuple) -> None:
+def _send_result(out, short, job, i, seconds: float, result: tuple, reader: int | None = None) -> None:
     """Send one task's result: on ``short`` framed by _RESULT if it is plain and small, else on ``out`` with the
-    head (job, i, seconds) (Note [batches])."""
+    head (job, i, seconds) (Note [batches]); its in-flight counts told as sent to ``reader`` (_reductions Note
+    [results told])."""
     packet = None
     try:
         head = pickle.dumps((job, i, seconds))
-        packet = Packet(result, head=head, moves=moves(result))
+        tls.to = reader
+        try:
+            packet = Packet(result, head=head, moves=moves(result))
+        finally:
+            tls.to = None
         if short is not None and packet.plain and len(packet.buffers[1]) - len(head) <= _SHORT_MAX - _RESULT.size \
                 and type(job) is int and type(i) is int:
             short.sendmsg([_RESULT.pack(job, i, seconds), memoryview(packet.buffers[1])[len(head):]])
@@ -825,6 +832,7 @@ class _Slots:
         self.sampler = _deaths.Sampler()
         self.oom = _deaths.OomCounter()
         self.oom_base: dict[int, tuple] = {}  # pid -> (its cgroup's OomCounter, the count when it started)
+        self.senders: set[int] = set()  # workers started, not yet done with (_reductions Note [results told])
         self.named = None  # the last job whose function the task handler recorded
         self.inputs: dict | None = None  # that job's table of inputs sent (_reductions Note [inputs once per call])
 
@@ -1031,6 +1039,7 @@ class _Slots:
         pid = getattr(w, "pid", None)  # (a Process class of the caller's may have none: the stdlib's suite's)
         if pid is None:
             return
+        self.senders.add(pid)
         counter = self.oom.of(pid)  # its cgroup's: the pool's as a rule (Note [deaths explained])
         self.oom_base[pid] = (counter, oom_base if counter is self.oom else counter.read())
 
@@ -1131,6 +1140,14 @@ class _Slots:
             self._settle_sent()
             self.cond.notify_all()
         self.settle_failed()
+
+    def done_with(self, pids) -> None:
+        """Every result the workers ``pids`` (dead, or all of them once the pool is joined) sent is read: the counts
+        they told the daemon of and the pool never took go back (_reductions Note [results told])."""
+        pids = [pid for pid in pids if pid in self.senders]
+        if pids:
+            self.senders.difference_update(pids)
+            shm_manager.done_with(pids)
 
     def take_deaths(self) -> list[tuple]:
         """The deaths recorded (none without the lock: the worker handler nudges the result handler after it
@@ -1370,6 +1387,7 @@ class Pool(mp_pool.Pool):
     def join(self) -> None:
         super().join()
         self._inqueue.unwatch()  # every worker is gone
+        self._inqueue.done_with(list(self._inqueue.senders))  # and the result handler read all they sent
         _recycle.release_all()  # the message segments this process keeps for reuse go with the pool
 
     # The stdlib's maps (3.11-3.14 alike), plus ``progress``: a tqdm bar advanced as results arrive (_progress.py).
@@ -1506,6 +1524,7 @@ class Pool(mp_pool.Pool):
                                 task_handler, result_handler, cache)
         inqueue.drain()  # every worker and handler has been joined: nothing takes from the slots any more
         inqueue.unwatch()
+        inqueue.done_with(list(inqueue.senders))  # no result is read any more (_reductions Note [results told])
         inqueue.clock.close()  # (its mapping goes with the object: the watchdog may be reading it)
         _recycle.release_all()
         # Nothing uses the channels any more: their descriptors go now, not when a traceback that holds the
@@ -1526,7 +1545,7 @@ class Pool(mp_pool.Pool):
             oom_base, row = inqueue.starting(k)
             w = Process(ctx, target=worker, args=(inqueue.queues[k], outqueue, initializer, initargs,
                                                   maxtasksperchild, wrap_exception, group, inqueue.short,
-                                                  inqueue.shared_results, row))
+                                                  inqueue.shared_results, row, os.getpid()))
             w.name = w.name.replace("Process", "PoolWorker")
             w.daemon = inqueue.daemon
             try:
@@ -1692,6 +1711,7 @@ class Pool(mp_pool.Pool):
                         error.__cause__ = start_errors.get(pid)
                         slots.break_(error)
                 start_errors.pop(pid, None)
+                slots.done_with([pid])  # every message it sent is read (_reductions Note [results told])
                 running = slots.lost(k, took)
                 result = cache.get(running[0]) if running else None
                 if result is not None:

@@ -37,9 +37,27 @@ before it ran), or its loss settled (the worker is dead: it held nothing, or
 the daemon gave back what it held), or, at terminate, when the workers are gone.
 So a count is up while the message can still be unpickled: in a socket, moved
 unchanged to another slot (_pool Note [lost tasks]), or being unpickled; no
-window reads zero, and none outlives it. Results (worker to parent) still carry
-their counts: the parent outlives its workers, and a worker killed between its
-count and its send still leaves one until the group ends.
+window reads zero, and none outlives it. Results (worker to parent) carry
+their counts (the parent outlives its workers), told to the daemon: see Note
+[results told].
+
+Note [results told]: a Pool worker killed between its result's in-flight
+count and its send left the count up until the group ended (a few segments
+per run of kills). Its results are pickled with ``tls.to`` set to the pool's
+process, and each in-flight count of a named segment is added by
+``shm_manager.send_to``, which tells the daemon of it in the same call (``T``,
+in the daemon's socket before the message goes); the handle names the sender,
+``("n", name, dir, sender pid)``, and the reader takes the count over with
+``take_from`` (``A``), or, mapping the segment already, gives it back itself
+and says so (``drop_from``). A message not sent gives its counts back through
+the daemon (``take_back``). The pool says ``done_with(pid)`` once it has read
+all a dead worker sent (_pool Note [lost tasks]), and the daemon gives back
+what that worker told and the pool never took (shm_manager Note [Counts sent
+to a reader]). Left: a worker killed in the microseconds between its count
+and that ``send``. Where no daemon can be told, the count is added as for any
+message; a copy segment's handle names its sender before that is known, and
+the reader's take of an untold count is a hold the daemon never gives back
+twice.
 """
 
 from __future__ import annotations
@@ -78,6 +96,8 @@ class Outgoing:
     in_flight: list[shm_core.Segment] = ()  # segments this message counts in flight (_recycle.REFS)
     blocks: list[tuple[shm_core.Segment, int]] = ()  # arena blocks it counts (_shared Note [arenas])
     held: list[shm_core.Segment] = ()  # named segments whose in-flight counts it kept once sent (Note [kept counts])
+    told: list[shm_core.Segment] = ()  # named segments whose in-flight counts it told to ``to`` (Note [results told])
+    to: int | None = None  # the reader it goes to, when told (tls.to)
     _index: dict[int, int] = None
     _copies: list[tuple[np.ndarray, int]] = ()
     _copy_size = 0
@@ -133,10 +153,27 @@ class Outgoing:
         self._start()
         if id(seg) not in self._index:
             self._index[id(seg)] = -1
-            seg.incref()  # the in-flight count, see _shared Note [named segments]
+            self._count_named(seg)  # the in-flight count, see _shared Note [named segments]
             self.keep.append(seg)
             self._count_in_flight(seg)
+        if any(told is seg for told in self.told):
+            return ("n", seg.name, seg.dir, os.getpid())
         return ("n", seg.name, seg.dir)
+
+    def _named_handle(self, name: str, dir: str) -> tuple:
+        """A named segment's handle made before its count: naming this process when the message goes to a reader
+        the daemon is told of (Note [results told])."""
+        return ("n", name, dir) if tls.to is None else ("n", name, dir, os.getpid())
+
+    def _count_named(self, seg: shm_core.Segment) -> None:
+        """One in-flight count of ``seg``, told to the daemon as it is added when the message goes to a reader that
+        says when it is done with this process (Note [results told])."""
+        if tls.to is not None and shm_manager.send_to(tls.to, seg.name, seg.dir, seg.incref):
+            if not self.told:
+                self.told, self.to = [], tls.to
+            self.told.append(seg)
+        else:
+            seg.incref()
 
     def copy_ref(self, arr: np.ndarray) -> tuple[tuple, int]:
         self._start()
@@ -151,8 +188,8 @@ class Outgoing:
                 # the name goes into the pickle now, the size is known at finish(): a pooled segment
                 # at least as large as this first array, else a new one made then (see CopyMiss)
                 seg = self.recycled = _recycle.take_named(arr.nbytes) if self.pooled else None
-                self._copy_ref = ("n", seg.name, seg.dir) if seg else \
-                    ("n", shm_manager.new_name(), shm_core.shm_dir())
+                self._copy_ref = self._named_handle(seg.name, seg.dir) if seg else \
+                    self._named_handle(shm_manager.new_name(), shm_core.shm_dir())
             else:
                 self._copy_ref = ("c", len(self.fds))
                 self.fds.append(-1)  # filled by finish()
@@ -221,16 +258,17 @@ class Outgoing:
                 raise CopyMiss
             else:
                 _stats.counts[_stats.SEGMENTS_REUSED] += 1  # (take_named counts nothing: it may miss)
-            seg.incref()  # in flight, see _shared Note [named segments]; this process holds it for its pool
-            self.keep.append(seg)
-            self._index[id(seg)] = -1  # abort() gives the in-flight count back
         else:
             seg = self.recycled = _recycle.take(self._copy_size)
             self.fds[self._copy_ref[1]] = _shared.fd_for_sending(seg, dup=True)
-        self._count_in_flight(seg)
         for arr, offset in self._copies:
             np.copyto(seg.ndarray(arr.shape, arr.dtype, offset), arr, casting="no")
         self._copies.clear()
+        if kind == "n":  # counted once made and filled; this process holds it for its pool
+            self._count_named(seg)  # in flight, see _shared Note [named segments]
+            self.keep.append(seg)
+            self._index[id(seg)] = -1  # abort() gives the in-flight count back
+        self._count_in_flight(seg)
 
     def sent(self, kept: bool = False) -> None:
         """The message is in the socket: what it held may go, its copy segment back to the pool. ``kept``: the
@@ -262,8 +300,11 @@ class Outgoing:
         for seg, block in self.blocks:
             seg.fetch_add(shm_core.HEADER_SIZE + block, -1)
         self.blocks.clear()
+        told = {id(seg) for seg in self.told}
         for seg in self._named_counts():
-            seg.decref()  # (this process holds one more: never the last)
+            if id(seg) not in told or not shm_manager.take_back(self.to, seg.name, seg.dir):
+                seg.decref()  # (this process holds one more: never the last)
+        self.told = []
         self.keep.clear()
         for seg in self.in_flight:
             seg.fetch_add(_recycle.REFS, -1)
@@ -316,11 +357,11 @@ class Incoming:
             self.viewed_keys.add(key)
             seg.fetch_add(_recycle.REFS, -1)
 
-    def named(self, name: str, dir: str, size: int | None) -> shm_core.Segment:
+    def named(self, name: str, dir: str, size: int | None, sender: int | None) -> shm_core.Segment:
         # one in-flight count per segment per message (Outgoing.named_ref), taken over unless kept
         seg = self.segments.get(name)
         if seg is None:
-            seg = self.segments[name] = _received(_shared.attach_named(name, dir, size, counted=not self.kept))
+            seg = self.segments[name] = _received(_shared.attach_named(name, dir, size, not self.kept, sender))
         return seg
 
     def close(self) -> None:
@@ -334,6 +375,7 @@ class _TLS(threading.local):
     ctx = None
     held: list | None = None  # keep_counts: the in-flight counts this thread's pickle takes, kept (Note [kept counts])
     kept = False  # counts_kept: the pickle being loaded was made under keep_counts
+    to: int | None = None  # the pid of the reader of the message being pickled, told its counts (Note [results told])
 
 
 #: this thread's message being pickled (Outgoing) or unpickled (Incoming); set by _channel
@@ -568,12 +610,15 @@ def _segment_for(ref, size: int) -> shm_core.Segment:
         if type(fd) is not int or fd < 0:
             raise shm_core.SegmentError(f"array handle's DupFd gave {fd!r:.80}, not a descriptor (forged handle)")
         return _received(_shared.attach_fd(fd, size, owned=True))
-    if kind == "n" and len(ref) == 3 and type(ref[1]) is str and type(ref[2]) is str:
-        # shm_core.attach checks the name, and that the directory is this process's (Note [untrusted handles])
+    if kind == "n" and len(ref) in (3, 4) and type(ref[1]) is str and type(ref[2]) is str and \
+            (len(ref) == 3 or (type(ref[3]) is int and 0 < ref[3] < 1 << 31)):
+        # shm_core.attach checks the name, and that the directory is this process's (Note [untrusted handles]);
+        # a sender (Note [results told]) forged or wrong takes a count it never owned, as a forged name does
+        sender = ref[3] if len(ref) == 4 else None
         ctx = _current()
         if isinstance(ctx, Incoming):
-            return ctx.named(ref[1], ref[2], size)
-        return _received(_shared.attach_named(ref[1], ref[2], size, counted=not tls.kept))
+            return ctx.named(ref[1], ref[2], size, sender)
+        return _received(_shared.attach_named(ref[1], ref[2], size, not tls.kept, sender))
     raise shm_core.SegmentError(f"unknown segment reference {ref!r:.80} (forged or corrupted handle)")
 
 

@@ -300,9 +300,13 @@ def give_back_named(seg: shm_core.Segment) -> None:
         _unlink_named(seg)
 
 
-def _adopt_named(seg: shm_core.Segment) -> shm_core.Segment:
-    """This process holds one count of ``seg``; the daemon gives it back if we die."""
-    shm_manager.hold(seg.name, seg.dir)
+def _adopt_named(seg: shm_core.Segment, sender: int | None = None) -> shm_core.Segment:
+    """This process holds one count of ``seg`` (the one ``sender`` told the daemon of, _reductions Note [results
+    told]); the daemon gives it back if we die."""
+    if sender is None:
+        shm_manager.hold(seg.name, seg.dir)
+    else:
+        shm_manager.take_from(sender, seg.name, seg.dir)
     seg.release_hook = _release_named
     _table.add(("n", seg.name), seg)
     return seg
@@ -341,9 +345,12 @@ def _create(size: int, strategy: str | None, name: str | None) -> shm_core.Segme
     if (strategy or get_sharing_strategy()) == "file_system":
         # The daemon hears of the name and of our count before the file exists: killed anywhere from here on, its
         # give-back removes a segment no one else has seen (in the other order, the count or the file would stay).
+        # Heard means in its socket: a busy daemon (the counts given at a fork) leaves frames in ours for a while,
+        # and a process killed then takes them with it.
         name = name or shm_manager.new_name()
         shm_manager.register(name)
         shm_manager.hold(name)
+        shm_manager.flush()
         try:
             seg = shm_core.create(size, name=name)
         except BaseException:
@@ -699,14 +706,18 @@ def attach_fd(fd: int, size: int | None, *, owned: bool) -> shm_core.Segment:
         return seg
 
 
-def attach_named(name: str, dir: str, size: int | None, counted: bool = True) -> shm_core.Segment:
-    """The named segment ``name``, mapped once per process; takes over one in-flight count (``counted``), or
-    takes a count of its own (the sender keeps its count until then: _reductions Note [kept counts])."""
+def attach_named(name: str, dir: str, size: int | None, counted: bool = True,
+                 sender: int | None = None) -> shm_core.Segment:
+    """The named segment ``name``, mapped once per process; takes over one in-flight count (``counted``: from the
+    daemon when ``sender`` told it, _reductions Note [results told]), or takes a count of its own (the sender
+    keeps its count until then: _reductions Note [kept counts])."""
     with _table.lock:
         seg = _table.segments.get(("n", name))
         if seg is not None:
-            if counted:
-                seg.decref()  # this process already holds a count
+            if counted:  # this process already holds a count: the in-flight one goes back
+                if sender is not None:  # (the daemon was told of it: it forgets it, or would give it back again)
+                    shm_manager.drop_from(sender, name, dir)
+                seg.decref()
             return seg
         try:
             seg = shm_core.attach(name, dir, expected_size=size)
@@ -718,9 +729,10 @@ def attach_named(name: str, dir: str, size: int | None, counted: bool = True) ->
                 "delivered again, or a forged handle: each takes a count it never owned), or it was removed by "
                 "hand (shm-manager gc)"
             ) from None
-        if not counted:
+        if not counted:  # (room for the hold's frame first: a count added with its frame left in our socket
+            shm_manager.flush()  # goes with a process killed then, until the group ends)
             seg.incref()
-        return _adopt_named(seg)
+        return _adopt_named(seg, sender if counted else None)
 
 
 def fd_for_sending(seg: shm_core.Segment, *, dup: bool = False) -> int:

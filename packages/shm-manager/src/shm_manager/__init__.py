@@ -11,7 +11,21 @@ remove what a group left when its daemon died with it. Nothing of a live group
 or of another user is ever touched.
 """
 
-from ._client import claim, daemon_pid, flush, give, hold, register, release, unregister
+from ._client import (
+    claim,
+    daemon_pid,
+    done_with,
+    drop_from,
+    flush,
+    give,
+    hold,
+    register,
+    release,
+    send_to,
+    take_back,
+    take_from,
+    unregister,
+)
 from ._gc import gc, list_segments, stats
 from ._group import current_group, group, join_group, member, new_name
 from ._paths import runtime_dir
@@ -20,6 +34,8 @@ __all__ = [
     "claim",
     "current_group",
     "daemon_pid",
+    "done_with",
+    "drop_from",
     "flush",
     "gc",
     "give",
@@ -32,7 +48,10 @@ __all__ = [
     "register",
     "release",
     "runtime_dir",
+    "send_to",
     "stats",
+    "take_back",
+    "take_from",
     "unregister",
 ]
 

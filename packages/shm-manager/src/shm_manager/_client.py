@@ -20,7 +20,11 @@ process holds one count of the segment's refcount) or ``X`` (the daemon takes
 one count back for it: unlinking at zero); and for the counts a fork child
 inherits (Note [Counts given at fork] in _daemon.py), ``G`` with
 ``<pid>:<start time>:<name>`` (the parent gave that child one count) and ``C``
-with ``<start time>:<name>`` (the child claims one count its parent gave it).
+with ``<start time>:<name>`` (the child claims one count its parent gave it); for the in-flight counts of a
+message whose reader says when it is done with its sender (Note [Counts sent to a reader] in _daemon.py), ``T``
+with ``<reader pid>:<name>`` (this process sent it one count), ``V`` (takes one back, unsent), ``A`` with
+``<sender pid>:<name>`` (this process takes over one count that sender sent it), ``D`` (it gives that count back
+itself) and ``S`` with ``<sender pid>`` (this process will take nothing more from it).
 """
 
 from __future__ import annotations
@@ -33,12 +37,17 @@ import sys
 import threading
 import time
 import warnings
+from typing import TYPE_CHECKING
 
 import shm_core
 
 from . import _group, _paths
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
 _MAX_PENDING = 4 << 20
+_BATCH = 4096  # bytes of frames that need not go at once (drop_from) sent together: one read of the daemon's
 _RETRY_AFTER = 1.0
 
 
@@ -188,6 +197,95 @@ def give(pid: int, start: int, names: list[tuple[str, str | os.PathLike | None]]
         pass
 
 
+def send_to(reader: int, name: str, dir: str | os.PathLike | None, count: Callable[[], object]) -> bool:
+    """Add one in-flight count of ``name`` for a message to process ``reader`` (``count()``, the caller's increment
+    of the header) and tell the daemon, which gives it back if ``reader``, done with this process
+    (:func:`done_with`), never took it over (:func:`take_from`): Note [Counts sent to a reader] in _daemon.py. The
+    count is added right before the frame's ``send``, with this process's socket drained first (waiting up to a
+    second for room, as :func:`release` does), so that a process killed in between is a matter of microseconds;
+    send the message only after. False: no daemon can be told, and nothing was counted."""
+    return _tell_peer(b"T", reader, name, dir, count)
+
+
+def take_back(reader: int, name: str, dir: str | os.PathLike | None = None) -> bool:
+    """Give back, through the daemon, a count added with :func:`send_to` whose message was not sent. False: no
+    daemon was told (one gone forgot what it was told: the caller takes the count off itself)."""
+    return _tell_peer(b"V", reader, name, dir)
+
+
+def _tell_peer(op: bytes, peer: int, name: str, dir, count: Callable[[], object] | None = None) -> bool:
+    try:
+        with _lock:
+            c = _conn(dir, _group.member(dir, _token(name))[0])
+            if c.sock is None:
+                _connect(c)
+            frame = _frame(op, f"{peer}:{name}")
+            if c.sock is None or not _send_pending(c, 1.0):
+                if count is None and c.sock is not None:  # (a take-back may wait in the buffer)
+                    c.pending += frame
+                    return True
+                return False
+            if count is not None:
+                count()
+            c.pending += frame
+            _drain(c)
+            return c.sock is not None
+    except Exception:
+        return False
+
+
+def take_from(sender: int, name: str, dir: str | os.PathLike | None = None) -> None:
+    """This process holds the in-flight count that ``sender`` told with :func:`send_to`; as :func:`hold`, but no
+    new count (Note [Counts sent to a reader] in _daemon.py)."""
+    try:
+        token = _group.member(dir, _token(name))[0]
+        with _lock:
+            c = _conn(dir, token)
+            c.holds[name] = c.holds.get(name, 0) + 1
+            if c.sock is None:
+                _connect(c)  # (sends every hold, this one included, as H: a new daemon knows of no count sent)
+            else:
+                c.pending += _frame(b"A", f"{sender}:{name}")
+            _drain(c)
+    except Exception:
+        pass
+
+
+def drop_from(sender: int, name: str, dir: str | os.PathLike | None = None) -> None:
+    """As :func:`take_from`, for a reader that maps the segment already and gives the count back itself: the
+    daemon only forgets it (Note [Counts sent to a reader] in _daemon.py). Fire-and-forget, and sent with the next
+    frames (by :func:`done_with` at the latest): it only has to come before that."""
+    try:
+        with _lock:
+            c = _conn(dir, _group.member(dir, _token(name))[0])
+            if c.sock is not None:
+                c.pending += _frame(b"D", f"{sender}:{name}")
+                if len(c.pending) >= _BATCH:
+                    _drain(c)
+    except Exception:
+        pass
+
+
+def done_with(senders) -> None:
+    """This process has read every message the processes ``senders`` (pids, dead or gone) sent it: the counts
+    they told with :func:`send_to` that it never took go back (Note [Counts sent to a reader] in _daemon.py).
+    Told to every daemon this process is connected to, and to its own group's (connecting, but not starting one:
+    with none there, nothing was told); fire-and-forget."""
+    try:
+        with _lock:
+            token = _group.current_group()
+            if token is not None:
+                c = _conn(None, token)
+                if c.sock is None:
+                    _connect(c, force=True, start=False)
+            for c in _conns.values():
+                if c.sock is not None:
+                    c.pending += b"".join(_frame(b"S", str(pid)) for pid in senders)
+                    _drain(c)
+    except Exception:
+        pass
+
+
 _start: tuple[int, int | None] = (0, None)  # (pid, its start time): read once per process, not once per claim
 
 
@@ -320,7 +418,8 @@ def _drain(c: _Conn) -> None:
         del c.pending[:n]
 
 
-def _connect(c: _Conn, force: bool = False) -> bool:
+def _connect(c: _Conn, force: bool = False, start: bool = True) -> bool:
+    """Connect ``c`` and queue every name and hold it has; without ``start``, only to a daemon already there."""
     global _warned
     if _closing or (not force and time.monotonic() < c.next_try):
         return False
@@ -328,6 +427,8 @@ def _connect(c: _Conn, force: bool = False) -> bool:
     if rdir is None:
         return False  # not a member there (yet): nothing of ours to watch
     sock = _try_connect(rdir, token)
+    if sock is None and not start:
+        return False
     if sock is None:
         try:
             _start_daemon(token, rdir, c.shm)

@@ -53,6 +53,35 @@ read to its end (its claims sent before its death are taken first)::
     child  --C start:name------> daemon: given -> holds[conn]   (or a claim that waits for G)
     child dies: EOF (holds[conn] back) + pidfd (given back, once no connection of it is left)
 
+Note [Counts sent to a reader]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A message naming a named segment carries one in-flight count, which its
+sender adds to the header before it sends and its reader takes over. A sender
+killed between the two (a Pool worker between its result's count and its
+send) left that count up until the group ended. So a sender whose reader says
+when it has read all it will ever read from it (a Pool's worker: its pool
+reads every result a dead worker sent before it settles the death) tells the
+daemon of each such count, ``T reader:name``, in the same call that adds it
+(the frame ready and the socket drained first: the count, then one ``send``),
+and before the message goes. The reader takes the count over on its own
+connection (``A sender:name``: a hold of the connection from then on; ``D``
+where it maps the segment already and gives the count back itself). The two
+come on two sockets, in either order: the second matches the first. The
+reader says when it will take nothing more from a sender (``S sender``, once
+the sender is dead or gone); whatever that sender told and the reader never
+took goes back then, once every connection of the sender has been read to its
+end (its ``T`` frames are all in). A ``T`` to a reader already done with its
+sender (the sender's connection accepted only after the ``S``: it connected,
+told and died between two reads of the daemon's) goes back at once. A sender
+whose message failed takes its count back through the daemon (``V
+reader:name``). The daemon touches the header only to give counts back, so
+the hot path costs it two dictionary updates. What is left: a sender killed in
+the microseconds between its count and its ``send``::
+
+    sender --T reader:name--> daemon: sent[sender, reader][name] += 1    (or matches a take)
+    reader --A sender:name--> daemon: sent -> holds[conn]                (or waits for its T)
+    reader --S sender-------> daemon: once no connection of the sender is left, sent[sender, reader] back
+
 Start-up: the first process binds and listens in a forked grandchild, reports
 over a pipe and exits, so the caller's ``wait()`` returns once the address
 accepts connections and the daemon is nobody's child (no zombie, own session).
@@ -97,6 +126,11 @@ class Daemon:
         self.early: dict[tuple[int, int], tuple[float, dict[str, int]]] = {}
         self.watched: dict[tuple[int, int], int] = {}  # child -> its pidfd
         self.dead: set[tuple[int, int]] = set()  # children seen dead, their given counts not back yet
+        # (sender, reader) -> counts sent not taken yet, takes ahead of their T; readers done with a sender:
+        # Note [Counts sent to a reader]
+        self.sent: dict[tuple[int, int], dict[str, int]] = {}
+        self.taken_early: dict[tuple[int, int], dict[str, int]] = {}
+        self.done: set[tuple[int, int]] = set()  # (kept: one of a dead sender's connections may be accepted late)
         self.refused: dict[int, int] = {}  # uid -> connections refused since the last log line
         self.refusals_logged = -_REFUSAL_INTERVAL
         self.sel = selectors.DefaultSelector()
@@ -128,6 +162,7 @@ class Daemon:
                     pid = self.peers.pop(key.fileobj)
                     key.fileobj.close()
                     self._settle_dead(pid)
+                    self._settle_sent(pid)
                     if not self.clients:
                         idle_since = time.monotonic()
             if self.early:
@@ -180,15 +215,41 @@ class Daemon:
                 break
             op, name = bytes(buf[4:5]), os.fsdecode(bytes(buf[5:4 + n]))
             del buf[:4 + n]
+            if op == b"S":  # Note [Counts sent to a reader]
+                sender = _number(name)
+                if sender is not None:
+                    self.done.add((sender, self.peers[conn]))
+                    self._settle_sent(sender)
+                continue
+            peer = None
+            if op in (b"T", b"A", b"D", b"V"):  # Note [Counts sent to a reader]
+                number, _, name = name.partition(":")
+                peer = _number(number)
+                if peer is None:
+                    continue
             child = None
             if op in (b"G", b"C"):  # Note [Counts given at fork]
                 *numbers, name = name.split(":", 2) if op == b"G" else [str(self.peers[conn]), *name.split(":", 1)]
-                if len(numbers) != 2 or not all(x.isdigit() and len(x) < 20 for x in numbers):
+                if len(numbers) != 2 or None in (pid := _number(numbers[0]), start := _number(numbers[1])):
                     continue
-                child = (int(numbers[0]), int(numbers[1]))
+                child = (pid, start)
             if not self.pattern.fullmatch(name):
                 continue  # only names of this group, ever (Note [Daemon input])
-            if op == b"G":
+            if (self.peers[conn], peer) in self.done and op in b"TV":
+                if op == b"T":  # its reader was done with it first: its message never came, and never will
+                    self._decref(name, 1, "a pool worker died before it sent the result that named it")
+                continue
+            if op == b"T":
+                _match(self.taken_early, self.sent, (self.peers[conn], peer), name)
+            elif op in b"AD":
+                if op == b"A":
+                    holds = self.holds.setdefault(conn, {})
+                    holds[name] = holds.get(name, 0) + 1
+                _match(self.sent, self.taken_early, (peer, self.peers[conn]), name)
+            elif op == b"V":
+                if _take(self.sent, (self.peers[conn], peer), name):
+                    self._decref(name, 1, None)
+            elif op == b"G":
                 self._given(child, name)
             elif op == b"C":
                 self._claimed(conn, child, name)
@@ -227,6 +288,16 @@ class Daemon:
         else:  # its G is still on the way
             counts = self.early.setdefault(child, (time.monotonic(), {}))[1]
             counts[name] = counts.get(name, 0) + 1
+
+    def _settle_sent(self, pid: int) -> None:
+        """Give back what ``pid`` sent that its readers, done with it, never took, once no connection of it is
+        left unread (Note [Counts sent to a reader])."""
+        if pid in self.peers.values():
+            return  # its T frames may still be in that socket: settled at its EOF
+        for key in [k for k in self.done if k[0] == pid]:
+            self.taken_early.pop(key, None)
+            for name, n in self.sent.pop(key, {}).items():
+                self._decref(name, n, "a pool worker died before it sent the result that named it")
 
     def _watch(self, child: tuple[int, int]) -> None:
         """Give ``child``'s given counts back when it dies (its pidfd turns readable; a zombie's is)."""
@@ -309,6 +380,32 @@ class Daemon:
             return False
         self._log_refusals()
         return True
+
+
+def _number(text: str) -> int | None:
+    """A pid or a start time as a frame writes it (ASCII digits: ``str.isdigit`` takes others ``int`` refuses)."""
+    return int(text) if text.isascii() and text.isdigit() and len(text) < 20 else None
+
+
+def _match(have: dict, want: dict, key: tuple[int, int], name: str) -> None:
+    """A T, or a reader's take, of ``name`` for (sender, reader) ``key``: the second of its pair matches the
+    first, in ``have``; the first is recorded in ``want`` (Note [Counts sent to a reader])."""
+    if not _take(have, key, name):
+        counts = want.setdefault(key, {})
+        counts[name] = counts.get(name, 0) + 1
+
+
+def _take(counts: dict, key: tuple[int, int], name: str) -> bool:
+    """Take one count of ``name`` off ``counts[key]`` if it has one (dropping what reaches zero)."""
+    have = counts.get(key)
+    if not have or not have.get(name):
+        return False
+    have[name] -= 1
+    if not have[name]:
+        del have[name]
+        if not have:
+            del counts[key]
+    return True
 
 
 def _listen(rdir: str, group: str) -> socket.socket | None:
