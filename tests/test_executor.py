@@ -118,6 +118,30 @@ def test_the_interpreter_waits_at_exit_for_work_queued_before_shutdown_without_w
     assert sorted(p.name for p in tmp_path.iterdir()) == [str(i) for i in range(6)]
 
 
+@pytest.mark.parametrize("cls", [concurrent.futures.ProcessPoolExecutor, mp.ProcessPoolExecutor],
+                         ids=["stdlib", "arraymp"])
+def test_shutdown_with_wait_from_a_done_callback_raises_as_the_stdlibs(cls):
+    # issue 32: ours waited for the thread the callback ran in (a deadlock); the stdlib's raises there, and the
+    # executor is shut down all the same
+    ex = cls(1)
+    raised, ran = [], concurrent.futures.Future()
+
+    def callback(f):
+        try:
+            ex.shutdown(wait=True)
+        except RuntimeError as e:
+            raised.append(str(e))
+        ran.set_result(None)
+
+    f = ex.submit(time.sleep, 0.5)
+    f.add_done_callback(callback)  # (before the call ends: it runs in the thread that sets the result)
+    ran.result(timeout=60)
+    assert raised == ["cannot join current thread"]
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        ex.submit(abs, 1)
+    ex.shutdown(wait=True)
+
+
 def test_fork_refuses_max_tasks_per_child_as_the_stdlib():
     with pytest.raises(ValueError) as stdlib:
         concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("fork"),

@@ -159,6 +159,11 @@ class ProcessPoolExecutor(futures.ProcessPoolExecutor):
         for f, *_ in cancelled:  # outside the lock: their done-callbacks may call submit
             f.cancel()
         if wait:
+            pool = self._pool
+            if pool is not None and threading.current_thread() is pool._result_handler:
+                # a done-callback (the Pool's result handler sets the futures): the closer's join of the Pool
+                # would wait for this thread, as the stdlib's join of its manager thread would, which raises this
+                raise RuntimeError("cannot join current thread")
             closer.join()
 
     shutdown.__doc__ = futures.Executor.shutdown.__doc__
