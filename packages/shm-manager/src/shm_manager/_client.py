@@ -277,7 +277,7 @@ def done_with(senders) -> None:
             if token is not None:
                 c = _conn(None, token)
                 if c.sock is None:
-                    _connect(c, force=True, start=False)
+                    _connect(c, force=True, launch=False)
             for c in _conns.values():
                 if c.sock is not None:
                     c.pending += b"".join(_frame(b"S", str(pid)) for pid in senders)
@@ -418,8 +418,8 @@ def _drain(c: _Conn) -> None:
         del c.pending[:n]
 
 
-def _connect(c: _Conn, force: bool = False, start: bool = True) -> bool:
-    """Connect ``c`` and queue every name and hold it has; without ``start``, only to a daemon already there."""
+def _connect(c: _Conn, force: bool = False, launch: bool = True) -> bool:
+    """Connect ``c`` and queue every name and hold it has; without ``launch``, only to a daemon already there."""
     global _warned
     if _closing or (not force and time.monotonic() < c.next_try):
         return False
@@ -427,7 +427,7 @@ def _connect(c: _Conn, force: bool = False, start: bool = True) -> bool:
     if rdir is None:
         return False  # not a member there (yet): nothing of ours to watch
     sock = _try_connect(rdir, token)
-    if sock is None and not start:
+    if sock is None and not launch:
         return False
     if sock is None:
         try:
