@@ -46,6 +46,13 @@ def told_on_cue(seg, d):
     return pid, r, go_w
 
 
+def released_and_gone(seg, d) -> None:
+    """This process's last count of ``seg`` given back: the segment goes."""
+    assert shm_manager.release(seg.name, d)
+    wait_until(lambda: not os.path.exists(seg.path), 5, "the last release to unlink")
+    seg.close()
+
+
 def killed(pid: int, r: int) -> None:
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
@@ -66,9 +73,7 @@ def test_a_count_told_and_never_taken_goes_back_once_the_reader_is_done_with_its
     shm_manager.done_with([pid])  # (once)
     time.sleep(0.3)
     assert seg.refcount == 1
-    assert shm_manager.release(seg.name, d)
-    wait_until(lambda: not os.path.exists(seg.path), 5, "the last release to unlink")
-    seg.close()
+    released_and_gone(seg, d)
 
 
 def test_a_take_before_or_after_its_tell_is_one_count_the_readers(tmp_path, monkeypatch):
@@ -97,9 +102,7 @@ def test_a_take_before_or_after_its_tell_is_one_count_the_readers(tmp_path, monk
         assert seg.refcount == 2
         assert shm_manager.release(seg.name, d)  # the taken count is a hold of the reader's, as any
         wait_until(lambda seg=seg: seg.refcount == 1, 5, "the reader's release")
-        assert shm_manager.release(seg.name, d)
-        wait_until(lambda seg=seg: not os.path.exists(seg.path), 5, "the last release to unlink")
-        seg.close()
+        released_and_gone(seg, d)
 
 
 def test_a_count_taken_back_unsent_or_told_after_the_reader_was_done_goes_back(tmp_path, monkeypatch):
@@ -124,9 +127,7 @@ def test_a_count_taken_back_unsent_or_told_after_the_reader_was_done_goes_back(t
     killed(pid, r)
     time.sleep(0.3)
     assert seg.refcount == 1
-    assert shm_manager.release(seg.name, d)
-    wait_until(lambda: not os.path.exists(seg.path), 5, "the last release to unlink")
-    seg.close()
+    released_and_gone(seg, d)
 
 
 def test_malformed_count_frames_are_ignored_and_the_daemon_serves_on(tmp_path, monkeypatch):
@@ -148,6 +149,4 @@ def test_malformed_count_frames_are_ignored_and_the_daemon_serves_on(tmp_path, m
     killed(pid, r)
     shm_manager.done_with([pid])
     wait_until(lambda: seg.refcount == 1, 5, "the count back")
-    assert shm_manager.release(seg.name, d)
-    wait_until(lambda: not os.path.exists(seg.path), 5, "the last release to unlink")
-    seg.close()
+    released_and_gone(seg, d)

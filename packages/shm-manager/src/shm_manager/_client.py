@@ -236,19 +236,9 @@ def _tell_peer(op: bytes, peer: int, name: str, dir, count: Callable[[], object]
 
 def take_from(sender: int, name: str, dir: str | os.PathLike | None = None) -> None:
     """This process holds the in-flight count that ``sender`` told with :func:`send_to`; as :func:`hold`, but no
-    new count (Note [Counts sent to a reader] in _daemon.py)."""
-    try:
-        token = _group.member(dir, _token(name))[0]
-        with _lock:
-            c = _conn(dir, token)
-            c.holds[name] = c.holds.get(name, 0) + 1
-            if c.sock is None:
-                _connect(c)  # (sends every hold, this one included, as H: a new daemon knows of no count sent)
-            else:
-                c.pending += _frame(b"A", f"{sender}:{name}")
-            _drain(c)
-    except Exception:
-        pass
+    new count (Note [Counts sent to a reader] in _daemon.py). Unconnected, the hold goes as ``H`` when connected:
+    a new daemon knows of no count sent."""
+    _hold_given(name, dir, _frame(b"A", f"{sender}:{name}"), keep_claim=False)
 
 
 def drop_from(sender: int, name: str, dir: str | os.PathLike | None = None) -> None:
@@ -299,16 +289,23 @@ def _my_start() -> int | None:
 def claim(name: str, dir: str | os.PathLike | None = None) -> None:
     """In a fork child: this process holds the count of the segment its parent took for it before the fork (and
     told the daemon of with :func:`give`); as :func:`hold`, but no new count (Note [Counts given at fork])."""
+    _hold_given(name, dir, _frame(b"C", f"{_my_start()}:{name}"), keep_claim=True)
+
+
+def _hold_given(name: str, dir, frame: bytes, keep_claim: bool) -> None:
+    """This process holds a count another process added (claim, take_from), told by ``frame``; unconnected, one
+    to ``keep_claim`` is kept to be sent as ``C`` once connected. Fire-and-forget."""
     try:
         token = _group.member(dir, _token(name))[0]
         with _lock:
             c = _conn(dir, token)
             c.holds[name] = c.holds.get(name, 0) + 1
             if c.sock is None:
-                c.claims[name] = c.claims.get(name, 0) + 1
+                if keep_claim:
+                    c.claims[name] = c.claims.get(name, 0) + 1
                 _connect(c)
             else:
-                c.pending += _frame(b"C", f"{_my_start()}:{name}")
+                c.pending += frame
             _drain(c)
     except Exception:
         pass
