@@ -130,7 +130,8 @@ class Daemon:
         # Note [Counts sent to a reader]
         self.sent: dict[tuple[int, int], dict[str, int]] = {}
         self.taken_early: dict[tuple[int, int], dict[str, int]] = {}
-        self.done: set[tuple[int, int]] = set()  # (kept: one of a dead sender's connections may be accepted late)
+        # sender -> readers done with it (kept: one of a dead sender's connections may be accepted late)
+        self.done: dict[int, set[int]] = {}
         self.refused: dict[int, int] = {}  # uid -> connections refused since the last log line
         self.refusals_logged = -_REFUSAL_INTERVAL
         self.sel = selectors.DefaultSelector()
@@ -218,7 +219,7 @@ class Daemon:
             if op == b"S":  # Note [Counts sent to a reader]
                 sender = _number(name)
                 if sender is not None:
-                    self.done.add((sender, self.peers[conn]))
+                    self.done.setdefault(sender, set()).add(self.peers[conn])
                     self._settle_sent(sender)
                 continue
             peer = None
@@ -235,7 +236,7 @@ class Daemon:
                 child = (pid, start)
             if not self.pattern.fullmatch(name):
                 continue  # only names of this group, ever (Note [Daemon input])
-            if (self.peers[conn], peer) in self.done and op in b"TV":
+            if op in b"TV" and peer in self.done.get(self.peers[conn], ()):
                 if op == b"T":  # its reader was done with it first: its message never came, and never will
                     self._decref(name, 1, "a pool worker died before it sent the result that named it")
                 continue
@@ -294,9 +295,9 @@ class Daemon:
         left unread (Note [Counts sent to a reader])."""
         if pid in self.peers.values():
             return  # its T frames may still be in that socket: settled at its EOF
-        for key in [k for k in self.done if k[0] == pid]:
-            self.taken_early.pop(key, None)
-            for name, n in self.sent.pop(key, {}).items():
+        for reader in self.done.get(pid, ()):
+            self.taken_early.pop((pid, reader), None)
+            for name, n in self.sent.pop((pid, reader), {}).items():
                 self._decref(name, n, "a pool worker died before it sent the result that named it")
 
     def _watch(self, child: tuple[int, int]) -> None:
