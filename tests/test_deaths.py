@@ -35,7 +35,7 @@ def test_an_executor_call_past_its_limit_fails_alone(method):
     with mp.ProcessPoolExecutor(2, mp_context=mp.get_context(method), task_timeout=1.0) as ex:
         stuck = ex.submit(_work.nap, 60)
         quick = [ex.submit(_work.double, i) for i in range(6)]
-        with pytest.raises(mp.TaskTimeoutError, match=r"task 0 of apply \(nap\(60\)\) ran past its time limit of 1 s"):
+        with pytest.raises(mp.TaskTimeoutError, match=r"task 0 of submit \(nap\(60\)\) ran past its time limit of 1 s"):
             stuck.result(TIMEOUT)
         assert [f.result(TIMEOUT) for f in quick] == [0, 2, 4, 6, 8, 10]
         # a call's own limit; `timeout` stays the function's keyword, as with the stdlib's executor
@@ -56,7 +56,7 @@ def test_a_crash_breaks_the_executor_and_says_how(method):
     assert isinstance(cause, mp.WorkerLostError) and cause.signal_name == "SIGSEGV"
     assert str(info.value) == ("A process in the process pool was terminated abruptly while the future was running or "
                                f"pending. The first: {cause.death()}")
-    assert f"worker {cause.pid} died with signal SIGSEGV while running task 0 of apply (crash): a crash in native " \
+    assert f"worker {cause.pid} died with signal SIGSEGV while running task 0 of submit (crash): a crash in native " \
            "code" in str(info.value)
 
 

@@ -309,9 +309,13 @@ def hold(a, seconds):
 def test_terminate_and_kill_workers(method, how):
     ex = mp.ProcessPoolExecutor(2, mp_context=mp.get_context(method))
     big = np.ones(N)  # 128 KiB: a segment (memfd) of its own per call sent
-    assert ex.submit(_work.double, 1).result(TIMEOUT) == 2  # the workers are up
-    workers = list(ex._processes.values())
+    assert ex.submit(_work.double, 1).result(TIMEOUT) == 2  # a worker is up
     running = [ex.submit(hold, big, 30) for _ in range(3)]  # max_workers + 1 given to the pool
+    deadline = time.monotonic() + TIMEOUT
+    while len(ex._processes) < 2:  # (under spawn and forkserver the second starts on demand, as the stdlib's)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    workers = list(ex._processes.values())
     pending = [ex.submit(hold, big, 0) for _ in range(5)]
     getattr(ex, how)()
     for f in running:

@@ -100,5 +100,5 @@ def test_a_pool_made_when_the_main_module_is_imported_names_the_guard(method, tm
         # to it, which then breaks; on 3.11 the workers die instead)
         assert "before it could start a pool worker" in last, last
     else:
-        assert last.startswith("mp_reductions._pool.WorkerStartError"), last
+        assert last.startswith("mp_reductions.WorkerStartError"), last
         assert "most likely while importing the main module" in last

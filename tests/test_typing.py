@@ -85,7 +85,7 @@ def test_revealed_types(tmp_path):
         "mp_reductions._connection.Connection[Any, Any]",
         "numpy.ndarray[tuple[Any, ...], numpy.dtype[Any]]",
         "mp_spawn._spawn.ProcessContext",
-        "mp_reductions._pool.Pool",
+        "mp_reductions._pool.pool.Pool",
         "typing.Iterator[int]",
     ], out
     assert status == 0, out

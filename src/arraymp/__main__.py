@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _stats(pid: int, as_json: bool, prog: str) -> int:
-    from mp_reductions._stats import read
+    from mp_reductions import read_stats as read
 
     try:
         s = read(pid)

@@ -31,7 +31,7 @@ import time
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
-from mp_reductions._progress import isatty
+from mp_reductions import isatty
 from tqdm import tqdm
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20]

@@ -93,9 +93,8 @@ except ImportError:  # pragma: no cover
         cloudpickle = None
 
 import numpy as np
-from mp_reductions import is_shared
-from mp_reductions._pool import TaskTimeoutError, check_timeout
-from mp_reductions._pool import _call as _call_repr
+from mp_reductions import TaskTimeoutError, check_timeout, is_shared
+from mp_reductions import call_repr as _call_repr
 
 import arraymp
 

@@ -16,7 +16,8 @@ import mp_reductions as mpr
 import numpy as np
 import pytest
 import shm_manager
-from mp_reductions import _pool, _stats
+from mp_reductions import _stats
+from mp_reductions._pool import wire, worker
 
 TIMEOUT = 30
 
@@ -87,9 +88,9 @@ class PoolSuite:
         pool.join()
         assert len(log) >= 3, log
         for (began, ended), (next_began, _) in itertools.pairwise(log):
-            due = min(cap, max(_pool.GC_INTERVAL, _pool.GC_SHARE * (ended - began)))
+            due = min(cap, max(worker.GC_INTERVAL, worker.GC_SHARE * (ended - began)))
             assert next_began - ended >= due, (log, due)
-        assert any(_pool.GC_SHARE * (ended - began) > _pool.GC_INTERVAL for began, ended in log), log
+        assert any(worker.GC_SHARE * (ended - began) > worker.GC_INTERVAL for began, ended in log), log
 
     def test_workers_that_die_before_running_anything_stop_the_pool(self, ctx):
         # issue 24: an initializer that raises (or initargs a worker cannot unpickle) made the stdlib's Pool, and
@@ -210,14 +211,16 @@ class PoolSuite:
     def test_calls_do_not_wake_the_worker_handler(self, ctx, monkeypatch):
         # the stdlib's cache wakes it each time it empties (the end of every call): ~150 us of the parent's CPU,
         # on the GIL while the call returns and the next starts
+        from mp_reductions._pool.core import Core
+
         wakes = []
-        wait = mpr.Pool._wait_for_updates
+        drain = Core.drain_notifier
 
-        def counted(*args):
+        def counted(core):
             wakes.append(1)
-            return wait(*args)
+            return drain(core)
 
-        monkeypatch.setattr(mpr.Pool, "_wait_for_updates", staticmethod(counted))
+        monkeypatch.setattr(Core, "drain_notifier", counted)  # once per wake of the worker handler
         with mpr.Pool(2, context=ctx) as pool:
             pool.map(T.square, range(10))
             before = len(wakes)
@@ -301,10 +304,10 @@ class PoolSuite:
         with mpr.Pool(2, context=ctx) as pool:
             blocked = pool.apply_async(T.pid_then_sleep, (slots, 0, 60))
             wait_for_pid(slots)
-            k = [w.pid if w else None for w in pool._inqueue.workers].index(int(slots[0]))
+            k = [w.pid if w else None for w in pool._core.slots.workers].index(int(slots[0]))
             naps = pool.map_async(T.nap, [0.05] * 12, chunksize=1)
             deadline = time.monotonic() + 10
-            while len(pool._inqueue.sent[k]) < _pool.DEPTH:
+            while len(pool._core.slots.sent[k]) < wire.DEPTH:
                 assert time.monotonic() < deadline, "the blocked worker's queue never filled"
                 time.sleep(0.001)
             assert assert_prompt(naps.get, TIMEOUT) == [0.05] * 12
@@ -338,7 +341,7 @@ class PoolSuite:
             assert got == [x * x for x in range(3000)]
             assert sent < 1500, f"3000 short tasks took {sent} messages"
             assert pool.map(T.nap, [0.02] * 10, chunksize=1) == [0.02] * 10
-            assert pool._inqueue.n == 1, "20 ms tasks were batched"
+            assert pool._core.slots.n == 1, "20 ms tasks were batched"
             got, sent = messages(lambda: sorted(pool.imap_unordered(T.square, range(3000))))
             assert got == [x * x for x in range(3000)]
             assert sent < 1500, f"3000 short tasks took {sent} messages"
@@ -346,7 +349,7 @@ class PoolSuite:
     def test_results_either_side_of_the_short_limit(self, ctx):
         # results whose pickle fits a short frame go on the short socket, others on the outqueue: all arrive,
         # each to its own task, whatever the mix
-        sizes = [n for n in range(_pool._SHORT_MAX - 148, _pool._SHORT_MAX + 52, 7)] * 3
+        sizes = [n for n in range(wire.SHORT_MAX - 148, wire.SHORT_MAX + 52, 7)] * 3
         with mpr.Pool(2, context=ctx) as pool:
             got = pool.map(T.sized, sizes, chunksize=1)
             assert got == [(n, b"x" * n) for n in sizes]
@@ -357,8 +360,8 @@ class PoolSuite:
         # a worker killed in the middle of a batch fails the task it ran; the rest of its batch, never started,
         # runs on the other worker or the replacement (Note [batches]), exactly once
         def followers(pool, i):
-            with pool._inqueue.lock:  # the tasks queued after task i in its message
-                for sent in pool._inqueue.sent:
+            with pool._core.slots.lock:  # the tasks queued after task i in its message
+                for sent in pool._core.slots.sent:
                     for tasks, _, _ in sent:
                         ids = [t[1] for t in tasks]
                         if i in ids:
@@ -633,7 +636,7 @@ if __name__ == "__main__":
     resource.setrlimit(resource.RLIMIT_NOFILE, limit)
     results = r.get(60)
     assert [float(x[0][0, 0]) for x in results] == [0, 1, 2, 3]
-    assert pool._result_handler.is_alive()
+    assert pool._core.threads["result handler"].is_alive()
     assert len(seen.records) == 1, [rec.getMessage() for rec in seen.records]  # logged once
     assert "RLIMIT_NOFILE" in str(seen.records[0].exc_info[1])
     del results

@@ -237,9 +237,9 @@ def keep_a_large_heap(n, max_interval):
     the worker's spacing of full collections at ``max_interval``, and starts logging them."""
     import gc
 
-    from mp_reductions import _pool
+    from mp_reductions._pool import worker
 
-    _pool.GC_MAX_INTERVAL = max_interval
+    worker.GC_MAX_INTERVAL = max_interval
     _HEAP[:] = [[] for _ in range(n)]
     _GC.clear()
     if _gc_watch not in gc.callbacks:

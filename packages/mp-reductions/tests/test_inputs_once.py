@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import multiprocessing
 import os
 import weakref
 
@@ -52,7 +53,7 @@ def test_an_array_that_dies_leaves_the_table_and_its_id_is_new_again():
 def test_tasks_of_one_call_never_see_each_others_writes(method):
     big = np.zeros(BIG, np.float64)
     big[-1] = 7.0
-    with mpr.Pool(2, context=mpr._pool.get_context(method)) as pool:
+    with mpr.Pool(2, context=multiprocessing.get_context(method)) as pool:
         got = pool.starmap(T.write_own_input, zip(itertools.repeat(big), range(16)), chunksize=1)
         # the first task had the message's copy, the others the call's shared copy, each privately
         assert got == [(0.0, True, 7.0)] * 16

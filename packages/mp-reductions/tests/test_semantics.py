@@ -413,11 +413,11 @@ def test_a_send_to_a_closed_pipe_gives_back_what_it_held(duplex):
 
 
 def test_a_pool_results_done_flag_sets_once_and_wakes_every_waiter():
-    """_pool._Done (an apply_async result's Event): set any number of times from several threads while others
+    """_pool.results.Done (an apply_async result's Event): set any number of times from several threads while others
     wait, with and without timeouts; every waiter returns True once set, none raises, a later wait is at once."""
     import threading
 
-    from mp_reductions._pool import _Done
+    from mp_reductions._pool.results import Done as _Done
 
     def call(errors, out, fn, *args):
         try:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import time
 
 from distributed.diagnostics.plugin import NannyPlugin
-from mp_reductions._deaths import RSS_INTERVAL, OomCounter, resident
+from mp_reductions import RSS_INTERVAL, OomCounter, resident
 
 TOPIC = "arraymp-worker-exits"
 NAME = "arraymp-exits-told"

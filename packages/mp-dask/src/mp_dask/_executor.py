@@ -15,8 +15,7 @@ import functools
 import threading
 from concurrent import futures
 
-from mp_reductions import executor_map
-from mp_reductions._pool import check_timeout
+from mp_reductions import check_timeout, executor_map
 
 from ._tasks import Tasks, apply_star, not_applied
 

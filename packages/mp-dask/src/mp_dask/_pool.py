@@ -1,8 +1,9 @@
 """``Pool`` on a Dask cluster: the stdlib's API and result objects, tasks run by Dask.
 
 Adapts ``multiprocessing/pool.py``: ``ApplyResult``, ``MapResult``,
-``IMapIterator`` and ``IMapUnorderedIterator`` are the stdlib's own, fed by
-the callbacks of our tasks (see _tasks.py) instead of a result-handler thread.
+``IMapIterator`` and ``IMapUnorderedIterator`` are mp_reductions' (the stdlib's
+API), fed by the callbacks of our tasks (see _tasks.py) instead of a
+result-handler thread.
 ``processes`` only sizes the default chunks (Dask decides where and how many
 tasks run at once: one per worker thread); ``maxtasksperchild`` is checked, and
 not applied, with a warning (see ``_tasks.not_applied``). ``task_timeout`` and
@@ -13,11 +14,16 @@ ending the worker running it (Note [Dask task timeouts] in _timeouts.py).
 from __future__ import annotations
 
 import itertools
-from multiprocessing.pool import ApplyResult as _ApplyResult
-from multiprocessing.pool import IMapIterator, IMapUnorderedIterator, MapResult
 
-from mp_reductions import progress_bar, track_progress
-from mp_reductions._pool import check_timeout
+from mp_reductions import (
+    ApplyResult,
+    IMapIterator,
+    IMapUnorderedIterator,
+    MapResult,
+    check_timeout,
+    progress_bar,
+    track_progress,
+)
 
 from ._tasks import Tasks, apply_star, call_star, map_star, not_applied, starmap_star
 
@@ -52,6 +58,11 @@ class Pool:
         if self._state != RUN:
             raise ValueError("Pool not running")
 
+    def _kept(self, result):
+        """``result``, which keeps this pool alive until it is set (as the stdlib's results keep theirs)."""
+        result._pool = self
+        return result
+
     def _submit(self, result, star, func, payloads, kind: str, limit=None) -> None:
         self._tasks.submit(star, func, payloads, lambda i, success, value: result._set(i, (success, value)), kind,
                            limit)
@@ -65,7 +76,7 @@ class Pool:
         The result's ``get(timeout)`` only stops waiting, as the stdlib's."""
         limit = check_timeout(timeout, "timeout")
         self._check_running()
-        result = _ApplyResult(self, callback, error_callback)
+        result = self._kept(ApplyResult(self._cache, callback, error_callback))
         self._submit(result, apply_star, func, [(tuple(args), dict(kwds))], "apply", limit)
         return result
 
@@ -95,7 +106,7 @@ class Pool:
             raise ValueError(f"Chunksize must be 1+, not {chunksize:n}")
         chunks = _chunks(items, chunksize) if items else []
         bar = progress_bar(progress, len(items))
-        result = MapResult(self, chunksize if items else 0, len(items), callback, error_callback=error_callback)
+        result = self._kept(MapResult(self._cache, chunksize if items else 0, len(items), callback, error_callback))
         track_progress(result, bar, [len(c) for c in chunks])
         self._submit(result, star, func, chunks, "map")
         return result
@@ -112,7 +123,7 @@ class Pool:
             raise ValueError(f"Chunksize must be 1+, not {chunksize:n}")
         items = list(iterable)
         bar = progress_bar(progress, len(items))
-        result = result_type(self)
+        result = self._kept(result_type(self._cache))
         payloads = items if chunksize == 1 else _chunks(items, chunksize)
         track_progress(result, bar, None if chunksize == 1 else [len(c) for c in payloads])
         self._submit(result, call_star if chunksize == 1 else map_star, func, payloads, kind)

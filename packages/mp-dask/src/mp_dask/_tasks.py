@@ -53,9 +53,7 @@ import dask
 import mp_reductions
 from distributed import WorkerPlugin
 from distributed.scheduler import KilledWorker
-from mp_reductions import TaskTimeoutError, WorkerLostError
-from mp_reductions._deaths import explain
-from mp_reductions._stats import count
+from mp_reductions import TaskTimeoutError, WorkerLostError, count, explain
 
 from . import _deaths, _script
 from ._timeouts import Limited, timed_out

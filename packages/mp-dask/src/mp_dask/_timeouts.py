@@ -31,7 +31,7 @@ import signal
 import threading
 import time
 
-from mp_reductions._pool import GRACE  # seconds between SIGTERM and SIGKILL, as the local pool's
+from mp_reductions import GRACE  # seconds between SIGTERM and SIGKILL, as the local pool's
 
 from ._deaths import event
 

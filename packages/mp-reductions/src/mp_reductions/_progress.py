@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import sys
 import threading
-from multiprocessing import pool as mp_pool
 
 _INSTALL = "pip install tqdm"
 
@@ -116,35 +115,17 @@ def progress_bar(progress, total: int | None = None) -> ProgressBar | None:
 
 
 def track_progress(result, bar: ProgressBar | None, sizes=None) -> None:
-    """Advance ``bar`` (``progress_bar``'s; None: nothing to do) as ``result`` (the stdlib's ``MapResult``,
-    ``IMapIterator`` or ``IMapUnorderedIterator``, made and no task of it sent yet) gets its results: ``sizes[i]``
-    items for the result of task ``i`` (``sizes``: a list, which may grow as tasks are made; None: one item each),
-    failed ones too. The bar closes once every item of its total is settled (at once for a map of nothing); an
-    iterator's total is known at ``_set_length`` (its tasks are all made) if it was not before. For every pool that
-    delivers to the stdlib's result objects (``mp_reductions.Pool``, mp-dask's)."""
+    """Advance ``bar`` (``progress_bar``'s; None: nothing to do) as ``result`` (one of mp_reductions' result
+    objects, made and no task of it sent yet) gets its results: ``sizes[i]`` items for the result of task ``i``
+    (``sizes``: a list, which may grow as tasks are made; None: one item each), failed ones too. The bar closes
+    once every item of its total is settled (at once for a map of nothing); an iterator's total is known at
+    ``_set_length`` (its tasks are all made) if it was not before. For every pool that delivers to these result
+    objects (``mp_reductions.Pool``, mp-dask's)."""
     if bar is None:
         return
-    if isinstance(result, mp_pool.ApplyResult) and result.ready():  # a map of nothing
+    result._progress, result._sizes = bar, sizes  # (the result advances it: _pool/results.py)
+    if getattr(result, "ready", bool)():  # a map of nothing (an iterator's total comes at _set_length)
         bar.close()
-        return
-    set_, set_length = result._set, getattr(result, "_set_length", None)
-
-    def _set(i, obj):
-        if i < 0:  # the iterable raised (the stdlib's task -1)
-            n = 0
-        else:
-            n = 1 if sizes is None else sizes[i] if i < len(sizes) else 0
-        bar.add(n, obj[0] is True)
-        set_(i, obj)
-
-    result._set = _set
-    result._progress = bar  # closed by Pool.terminate
-    if set_length is not None:
-        def _set_length(length):
-            bar.expect(length if sizes is None else sum(sizes))
-            set_length(length)
-
-        result._set_length = _set_length
 
 
 def chunk_sizes(total: int, chunksize: int) -> list[int]:

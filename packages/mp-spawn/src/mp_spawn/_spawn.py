@@ -555,7 +555,7 @@ def _start_all(processes, start_method: str) -> None:
 
 def _kill_started(processes) -> None:
     for process in processes:
-        if process.pid is None or process._popen is None:
+        if process.pid is None:  # never started
             continue
         try:
             process.kill()
