@@ -394,15 +394,16 @@ class PoolSuite:
         assert exercised, "task 500 was never followed by others in its batch"
 
     def test_every_call_ends_under_random_sigkills(self, ctx):
-        """A worker killed anywhere (between taking a task and saying so, too) fails at most the task it took,
-        and every call ends: issue 12 defect 6, where 4 of 73 calls never did."""
+        """Workers killed anywhere (between taking a task and saying so, too), several in one call, fail at most
+        the tasks they took, and every call ends: issue 12 defect 6, where 4 of 73 calls never did, and issue 41,
+        where a second death in one call hung it."""
         rng = random.Random(12)
-        with mpr.Pool(2, context=ctx) as pool:
-            for _ in range(15):
+        with mpr.Pool(3, context=ctx) as pool:
+            for _ in range(12):
                 it = pool.imap_unordered(T.square, range(200))
-                got, lost, killed = [], [], None
-                kill_after = rng.randrange(20, 180)
-                deadline = time.monotonic() + 20  # a hang check, far above any delay of a loaded machine
+                got, lost, killed = [], [], set()
+                kill_at = sorted(rng.sample(range(10, 190), rng.randrange(2, 5)))  # 2 to 4 kills in this call
+                deadline = time.monotonic() + 30  # a hang check, far above any delay of a loaded machine
                 while True:
                     try:
                         got.append(it.next(max(0.0, deadline - time.monotonic())))
@@ -412,17 +413,19 @@ class PoolSuite:
                         lost.append(e)
                     except multiprocessing.TimeoutError:
                         pytest.fail(f"a call never ended: {len(got)} results, {len(lost)} lost of 200")
-                    if killed is None and len(got) + len(lost) >= kill_after:
-                        live = [p.pid for p in pool._pool if p.exitcode is None]
-                        if not live:  # the last victim's replacement not started yet: try at the next result
-                            continue
-                        killed = rng.choice(live)
+                    while kill_at and len(got) + len(lost) >= kill_at[0]:
+                        live = [p.pid for p in pool._pool if p.exitcode is None and p.pid not in killed]
+                        if not live:  # the victims' replacements not started yet: try at the next result
+                            break
+                        victim = rng.choice(live)
                         try:
-                            os.kill(killed, signal.SIGKILL)
-                        except ProcessLookupError:  # the last round's victim, reaped by the pool meanwhile
-                            killed = None  # (exitcode raced with the pool's own wait): kill another
-                assert len(got) + len(lost) == 200 and len(lost) <= 1
-                assert all(e.pid == killed and e.signal_name == "SIGKILL" for e in lost)
+                            os.kill(victim, signal.SIGKILL)
+                            killed.add(victim)
+                        except ProcessLookupError:  # reaped by the pool meanwhile: kill another
+                            continue
+                        kill_at.pop(0)
+                assert len(got) + len(lost) == 200 and len(lost) <= len(killed)
+                assert all(e.pid in killed and e.signal_name == "SIGKILL" for e in lost), (killed, lost)
                 assert set(got) <= {x * x for x in range(200)} and len(set(got)) == len(got)
             pool.close()
             assert_prompt(pool.join)

@@ -255,3 +255,41 @@ def spin(seconds):
 def gc_log(_=None):
     """The (start, stop) of each full collection since keep_a_large_heap."""
     return [c for c in _GC if c[1] is not None]
+
+
+VICTIMS = (2, 5, 9)  # the items whose task dies (or hangs) in the several-faults suite
+
+
+def dies_on_victims(x):
+    """x * x, after 10 ms; a worker that runs a victim dies of SIGKILL."""
+    if x in VICTIMS:
+        os.kill(os.getpid(), 9)
+    time.sleep(0.01)
+    return x * x
+
+
+def dies_on_victims_star(x, y):
+    return dies_on_victims(x) + y
+
+
+def hangs_on_victims(x):
+    """x * x; a victim hangs for a minute (past any time limit of the suite)."""
+    time.sleep(60 if x in VICTIMS else 0.01)
+    return x * x
+
+
+def graceful_nap(seconds, ignore=False):
+    """A task with a SIGTERM handler of its own that raises (a graceful shutdown), or ignores SIGTERM."""
+    import signal
+
+    def shut_down(signum, frame):
+        raise RuntimeError("graceful shutdown")
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if ignore else shut_down)
+    time.sleep(seconds)
+    return "finished"
+
+
+def nap_then_print(seconds, text):
+    time.sleep(seconds)
+    print(text, flush=True)

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import logging
 import os
 import threading
 import weakref
@@ -62,6 +63,7 @@ from .errors import PoolBrokenError, ResultUnpicklingError, WorkerLostError, Wor
 from .results import call_repr, job_counter, short_repr
 
 _R = TypeVar("_R")
+log = logging.getLogger("mp_reductions.pool")
 
 EXTRA_QUEUED_CALLS = 1  # running futures beyond max_workers, as the stdlib's call queue holds
 _BROKEN = "A child process terminated abruptly, the process pool is not usable anymore"  # the stdlib's messages
@@ -261,16 +263,22 @@ class _State:
         return False
 
     def close(self) -> None:
+        """The closer's body: once nothing is pending or running, close and join the core (tear it down if
+        broken). A failure here is logged and the core torn down all the same (core Note [helper threads])."""
         with self.lock:
             while self.pending or self.running:
                 self.idle.wait()
             core, broken = self.core, self.broken
         if core is None:
             return
-        if not broken:
-            core.close()
-            core.join()
-        core.finalizer()
+        try:
+            if not broken:
+                core.close()
+                core.join()
+        except BaseException:
+            log.critical("the executor's closer thread failed; its pool is torn down", exc_info=True)
+        finally:
+            core.finalizer()
 
     def end(self, wait: bool, cancel: bool) -> None:
         """shutdown(wait, cancel_futures=cancel)."""
@@ -340,7 +348,7 @@ class ProcessPoolExecutor(futures.ProcessPoolExecutor):
         self._max_tasks_per_child = max_tasks_per_child
         self._state = _State(max_workers, mp_context, initializer, tuple(initargs), max_tasks_per_child,
                              shared_results, task_timeout)
-        weakref.finalize(self, _collected, self._state)
+        weakref.finalize(self, _collected, self._state).atexit = False  # (at exit, _python_exit waits instead)
 
     # the stdlib's attributes, read-only, which third-party code (and the stdlib's tests) read
     @property

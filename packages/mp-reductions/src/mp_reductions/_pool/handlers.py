@@ -92,10 +92,11 @@ def handle_workers(core) -> None:
     the task handler stop."""
     delay = None
     while core.state == RUN or (core.cache and core.state != TERMINATE):
+        _reap(core)
         try:
-            _maintain(core)
+            core.repopulate()
             delay = None
-        except Exception:
+        except Exception:  # (a killed forkserver, no descriptors left: Note [resource tracker])
             if delay is None:
                 log.warning("a pool worker failed to start; retrying", exc_info=True)
             delay = backoff(delay)
@@ -106,8 +107,8 @@ def handle_workers(core) -> None:
     util.debug("worker handler exiting")
 
 
-def _maintain(core) -> None:
-    """Record exited workers' deaths (slots Note [lost tasks]), reap them, start replacements."""
+def _reap(core) -> None:
+    """Record exited workers' deaths (slots Note [lost tasks]) and reap them."""
     slots = core.slots
     with slots.lock:  # the watchdog signals workers under it: none is reaped meanwhile (watchdog Note)
         dead = [w for w in core.workers if w.exitcode is not None]
@@ -121,7 +122,6 @@ def _maintain(core) -> None:
             Packet(None, head=pickle.dumps(WAKE)).send_nowait(core.outqueue._writer._sock)
         except OSError:  # the pool is being torn down
             pass
-    core.repopulate()
 
 
 class ResultHandler:
