@@ -10,11 +10,11 @@ import logging
 import multiprocessing
 import threading
 import time
+from concurrent.futures.process import BrokenProcessPool
 
 import _pool_targets as T
 import mp_reductions as mpr
 import pytest
-from concurrent.futures.process import BrokenProcessPool
 from mp_reductions._pool import core as core_module
 from mp_reductions._pool.handlers import ResultHandler
 from mp_reductions._pool.watchdog import Watchdog
