@@ -28,11 +28,10 @@ import multiprocessing
 import statistics
 import sys
 import time
-from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
-from mp_reductions import isatty
-from tqdm import tqdm
+
+from ._benchkit import As, Status, plain_pickling
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20]
 UNITS = {"GiB": 1 << 30, "MiB": 1 << 20, "KiB": 1 << 10, "B": 1, "": 1}  # longest suffix first
@@ -52,18 +51,13 @@ def parse_sizes(text: str) -> list[int]:
     return sizes
 
 
-def _plain_pickling():
-    """Undo arraymp's registration in this process: the stdlib baseline pickles arrays."""
-    ForkingPickler._extra_reducers.pop(np.ndarray, None)
-
-
 def _setup(system: str):
     """Make this process send the way ``system`` does; returns the module whose Queue/Pipe to use."""
     if system == "arraymp":
         import arraymp
 
         return arraymp.get_context("spawn")
-    _plain_pickling()
+    plain_pickling()
     if system == "stdlib":
         return multiprocessing.get_context("spawn")
     import torch.multiprocessing as tmp
@@ -112,7 +106,7 @@ class System:
         self.ctl, self.done, self.data, self.back = ctx.Queue(), ctx.Queue(), ctx.Queue(maxsize=2), ctx.Queue()
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_consumer, args=(name, self.ctl, self.done, self.data, self.back, child))
-        with _as(name):
+        with As(name):
             self.proc.start()
 
     def payload(self, nbytes: int, shared: bool):
@@ -134,7 +128,7 @@ class System:
 
     def stream(self, nbytes: int, n: int, shared: bool) -> float:
         make = self.payload(nbytes, shared)
-        with _as(self.name):
+        with As(self.name):
             self.ctl.put(("stream", 3))  # warm-up: fill the recycling pools
             for _ in range(3):
                 self.data.put(make())
@@ -148,7 +142,7 @@ class System:
 
     def pingpong(self, n: int, pipe: bool) -> float:
         a = np.arange(16.0)
-        with _as(self.name):
+        with As(self.name):
             if self.name.startswith("torch"):
                 import torch
 
@@ -169,26 +163,6 @@ class System:
     def close(self):
         self.ctl.put(None)
         self.proc.join(30)
-
-
-class _as:
-    """Pickle in this process as ``system`` does while inside the block."""
-
-    def __init__(self, system):
-        self.system = system
-
-    def __enter__(self):
-        self.saved = ForkingPickler._extra_reducers.get(np.ndarray)
-        if self.system != "arraymp":
-            _plain_pickling()
-        if self.system.startswith("torch"):
-            import torch.multiprocessing as tmp
-
-            tmp.set_sharing_strategy("file_descriptor" if self.system == "torch-fd" else "file_system")
-
-    def __exit__(self, *exc):
-        if self.saved is not None:
-            ForkingPickler.register(np.ndarray, self.saved)
 
 
 def _count(nbytes: int, quick: bool) -> int:
@@ -246,43 +220,6 @@ def human(n: int) -> str:
     if n >= 1 << 30 and n % (1 << 30) == 0:
         return f"{n >> 30} GiB"
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB" if n >= 1 << 10 else f"{n} B"
-
-
-class Status:
-    """Progress on stderr. Where stderr is a terminal, ``show`` draws one line in place (a tqdm status line);
-    anywhere else (a pipe, a file, a CI log) it writes nothing, so the output holds plain lines only, never
-    carriage-return redraws. ``line`` writes a line that stays, either way; ``bar`` makes a tqdm progress bar
-    that is drawn only on a terminal too."""
-
-    def __init__(self, stream=None):
-        self.stream = sys.stderr if stream is None else stream
-        self.tty = isatty(self.stream)  # the test of the pools' progress bars (progress=True)
-        self.status = None  # the tqdm line ``show`` draws in place, None when none
-
-    def show(self, text: str) -> None:
-        if self.status is None and self.tty:
-            self.status = tqdm(file=self.stream, bar_format="{desc}", leave=False)
-        if self.status is not None:
-            self.status.set_description_str(text)
-
-    def done(self) -> None:
-        """Ends the line shown in place, which stays on the screen."""
-        if self.status is not None:
-            self.status.leave = True
-            self.status.close()
-            self.status = None
-
-    def line(self, text: str) -> None:
-        if self.status is not None:  # clear what show() drew
-            self.status.close()
-            self.status = None
-        tqdm.write(text, file=self.stream)
-        self.stream.flush()
-
-    def bar(self, total: int) -> tqdm:
-        """A progress bar of ``total`` steps (``update()`` each), drawn only where the stream is a terminal."""
-        return tqdm(total=total, file=self.stream, disable=not self.tty, leave=True, unit="msg",
-                    bar_format="  {bar:40} {percentage:3.0f}% {n_fmt}/{total_fmt} {unit}")
 
 
 def estimate(sizes: list[int], repeat: int, quick: bool, systems: list[str], pickled_rate: float) -> float:

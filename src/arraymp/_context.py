@@ -1,5 +1,5 @@
 """Contexts: the stdlib's, with our Queue / SimpleQueue / JoinableQueue / Pipe / Pool
-and ProcessPoolExecutor (adapts multiprocessing/context.py; the executor is _executor.py's).
+and ProcessPoolExecutor (adapts multiprocessing/context.py; the Pool and the executor are mp_reductions').
 
 Every factory is a lazy method, as in the stdlib; ``get_context(method)``
 returns our context for that start method, and ``get_context("dask", ...)``
@@ -22,9 +22,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
     from mp_dask import DaskContext
-    from mp_reductions import Connection, JoinableQueue, Pool, Queue, SimpleQueue
-
-    from ._executor import ProcessPoolExecutor
+    from mp_reductions import Connection, JoinableQueue, Pool, ProcessPoolExecutor, Queue, SimpleQueue
 
 
 def _interrupt(self: mp_process.BaseProcess) -> None:
@@ -77,7 +75,7 @@ class _ArrayContext:
     def ProcessPoolExecutor(self, max_workers: int | None = None, initializer: Callable[..., object] | None = None,
                             initargs: Iterable[Any] = (), max_tasks_per_child: int | None = None, *,
                             shared_results: bool = True, task_timeout: float | None = None) -> ProcessPoolExecutor:
-        from ._executor import ProcessPoolExecutor
+        from mp_reductions import ProcessPoolExecutor
 
         return ProcessPoolExecutor(max_workers, self.get_context(), initializer, initargs,
                                    max_tasks_per_child=max_tasks_per_child, shared_results=shared_results,

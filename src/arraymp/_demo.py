@@ -14,12 +14,12 @@ import numpy as np
 
 import arraymp
 
-from ._bench import Status, _as, _plain_pickling
+from ._benchkit import As, Status, plain_pickling
 
 
 def _consume(q, results, n, plain):
     if plain:
-        _plain_pickling()
+        plain_pickling()
     results.put(None)  # started: the producer's clock starts now
     total = 0.0
     for _ in range(n):
@@ -53,7 +53,7 @@ def _task(i):
 
 
 def _pool(ctx, n, bar, plain):
-    with ctx.Pool(2, initializer=_plain_pickling if plain else None) as pool:
+    with ctx.Pool(2, initializer=plain_pickling if plain else None) as pool:
         pool.map(abs, range(2), chunksize=1)  # started
         t0 = time.perf_counter()
         got = 0.0
@@ -90,7 +90,7 @@ def main(scale: float = 1) -> int:
         for label, ctx, n in (("arraymp", ours, n_ours), ("stdlib", stdlib, n_stdlib)):
             n = max(4, int(n * scale))
             status.line(f"{name} [{label}]: {n} messages")
-            with _as(label), status.bar(n) as bar:
+            with As(label), status.bar(n) as bar:
                 seconds = job(ctx, n, bar, label == "stdlib")
             rates[label] = n * mib / 1024 / seconds if unit == "GiB/s" else n / seconds
         rows.append((name, unit, rates["arraymp"], rates["stdlib"]))

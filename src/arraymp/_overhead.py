@@ -127,7 +127,7 @@ def messages(method: str, n: int, repeat: int) -> dict[str, tuple[float, float]]
     """{row: (floor, arraymp)}: ping-pong seconds per round trip, and stream messages per second."""
     import arraymp
 
-    from ._bench import _as
+    from ._benchkit import As
 
     std, ours = multiprocessing.get_context(method), arraymp.get_context(method)
     a16, a4k, shared = np.arange(16.0), np.ones(512), arraymp.share_memory(np.ones(512))
@@ -149,7 +149,7 @@ def messages(method: str, n: int, repeat: int) -> dict[str, tuple[float, float]]
 
         rates = []
         for ctx, payload in ((std, a4k), (ours, shared)):
-            with _as("stdlib" if ctx is std else "arraymp"):
+            with As("stdlib" if ctx is std else "arraymp"):
                 q, done = ctx.Queue(), ctx.Queue()
                 p = _partner(ctx, "stream", q, done, n)
                 t0 = time.perf_counter()

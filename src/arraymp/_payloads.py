@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from ._bench import _as, _plain_pickling
+from ._benchkit import As, plain_pickling
 
 METHODS = ("fork", "spawn", "forkserver")
 BUDGET = 256 << 20  # bytes per Queue run (at least 4, at most 2000 messages)
@@ -128,7 +128,7 @@ def _hwm() -> int:
 
 def _consumer(system: str, ctl, done, data) -> None:
     if system == "stdlib":
-        _plain_pickling()
+        plain_pickling()
     while True:
         n = ctl.get()
         if n is None:
@@ -143,7 +143,7 @@ def _consumer(system: str, ctl, done, data) -> None:
 
 def _worker_init(system: str) -> None:
     if system == "stdlib":
-        _plain_pickling()
+        plain_pickling()
 
 
 class _System:
@@ -153,13 +153,13 @@ class _System:
         self.name = name
         ctx = (arraymp if name == "arraymp" else multiprocessing).get_context(method)
         self.ctl, self.done, self.data = ctx.Queue(), ctx.Queue(), ctx.Queue(maxsize=2)
-        with _as(name):
+        with As(name):
             self.proc = ctx.Process(target=_consumer, args=(name, self.ctl, self.done, self.data), daemon=True)
             self.proc.start()
             self.pool = ctx.Pool(2, initializer=_worker_init, initargs=(name,))
 
     def queue(self, obj, n: int) -> tuple[float, float, int]:
-        with _as(self.name):
+        with As(self.name):
             self.ctl.put(2)  # warm-up: the recycling pools
             for _ in range(2):
                 self.data.put(obj)
@@ -177,7 +177,7 @@ class _System:
         """Seconds of one ``map`` of ``n`` tasks: the best of SHORT_MAPS for small payloads, whose map lasts
         milliseconds (8 chunks on 2 workers), so that one late wake-up does not make the cell."""
         best = float("inf")
-        with _as(self.name):
+        with As(self.name):
             self.pool.map(make, [name] * 4, chunksize=1)  # warm-up: each worker makes its payload
             for _ in range(1 if n <= KEEP_AFTER else SHORT_MAPS):
                 t0 = time.perf_counter()
@@ -211,9 +211,9 @@ def available(names) -> tuple[list[str], list[str]]:
 
 
 def main(repeat: int = 3, quick: bool = False, methods=METHODS, only: str | None = None) -> int:
-    import arraymp  # noqa: F401  (registers our reducer, which _as() removes for the stdlib)
+    import arraymp  # noqa: F401  (registers our reducer, which As() removes for the stdlib)
 
-    from ._bench import Status
+    from ._benchkit import Status
 
     names = [n for n in PAYLOADS if only is None or only.lower() in n.lower()]
     rows, skipped = available(names)

@@ -29,6 +29,7 @@ import os
 import pickle
 import re
 import resource
+import select
 import socket
 import struct
 import threading
@@ -82,6 +83,13 @@ def socketpair(kind: int = socket.SOCK_SEQPACKET) -> tuple[socket.socket, socket
             s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKBUF)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKBUF)
     return pair[0], pair[1]
+
+
+def wait_readable(sock: socket.socket, timeout: float | None) -> bool:
+    """Whether ``sock`` has something to read within ``timeout`` seconds (None: wait as long as it takes)."""
+    p = select.poll()
+    p.register(sock, select.POLLIN)
+    return bool(p.poll(None if timeout is None else max(0, int(timeout * 1000 + 0.999))))
 
 
 def socket_from_fd(fd: int, kind: int) -> socket.socket:

@@ -20,8 +20,7 @@ from multiprocessing import connection as mp_connection
 from multiprocessing import reduction, util
 from typing import Any, Generic, TypeVar
 
-from ._channel import Packet, loads_kept, recv_raw, recv_stream, send_stream, socket_from_fd, socketpair
-from ._queues import _wait_readable
+from ._channel import Packet, loads_kept, recv_raw, recv_stream, send_stream, socket_from_fd, socketpair, wait_readable
 from ._reductions import init_reductions
 
 _SendT_contra = TypeVar("_SendT_contra", contravariant=True)
@@ -150,7 +149,7 @@ class Connection(mp_connection.Connection, Generic[_SendT_contra, _RecvT_co]):
 
     def poll(self, timeout: float | None = 0.0) -> bool:
         self._check(readable=True)
-        return bool(self._pending) or _wait_readable(self._sock, timeout)
+        return bool(self._pending) or wait_readable(self._sock, timeout)
 
     def __reduce__(self):
         self._check()

@@ -31,7 +31,6 @@ from __future__ import annotations
 import collections
 import os
 import queue
-import select
 import socket
 import threading
 import time
@@ -45,7 +44,8 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import shm_core
 
-from ._channel import SPIN, Packet, dequeue, loads_kept, socket_from_fd, socketpair, unpack
+from ._channel import SPIN, Packet, dequeue, loads_kept, socket_from_fd, socketpair, unpack, wait_readable
+from ._connection import Connection
 from ._reductions import init_reductions
 
 _T = TypeVar("_T")
@@ -99,12 +99,6 @@ _CLOSE = object()
 _STDLIB_FEEDER_ERROR = mp_queues.Queue._on_queue_feeder_error  # type: ignore[attr-defined]
 
 
-def _wait_readable(sock: socket.socket, timeout: float | None) -> bool:
-    p = select.poll()
-    p.register(sock, select.POLLIN)
-    return bool(p.poll(None if timeout is None else max(0, int(timeout * 1000 + 0.999))))
-
-
 def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else deadline - time.monotonic()
 
@@ -124,8 +118,6 @@ class SimpleQueue(mp_queues.SimpleQueue, Generic[_T]):
     """
 
     def __init__(self, *, ctx: Any = None) -> None:
-        from ._connection import Connection
-
         a, b = socketpair()
         self._reader: Connection[Any, Any] = Connection(a, writable=False)
         self._writer: Connection[Any, Any] = Connection(b, readable=False)
@@ -336,7 +328,7 @@ class Queue(mp_queues.Queue, Generic[_T]):
                 remaining = _remaining(deadline)
                 if not block or (remaining is not None and remaining <= 0):
                     raise queue.Empty from None
-                _wait_readable(self._reader, remaining)
+                wait_readable(self._reader, remaining)
         self._wake_putter()
         return loads_kept(unpack(*msg), self._pending, self._reader)
 
@@ -350,7 +342,7 @@ class Queue(mp_queues.Queue, Generic[_T]):
     def empty(self) -> bool:
         if self._reader.fileno() < 0:
             raise OSError("handle is closed")  # as the stdlib's, once close() closed it (Note [closing])
-        return not self._pending and not _wait_readable(self._reader, 0)
+        return not self._pending and not wait_readable(self._reader, 0)
 
     def full(self) -> bool:
         return self.qsize() >= self._maxsize

@@ -168,6 +168,7 @@ class ResultHandler:
             for death in deaths:
                 self.settle_death(*death)
             deaths = []
+            slots.balance()
             slots.settle_failed()
         util.debug(f"result handler exiting: len(cache)={len(self.cache)}")
 

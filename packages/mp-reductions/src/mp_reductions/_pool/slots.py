@@ -130,15 +130,15 @@ class Slots:
                 for q in self.queues:
                     Packet(None, head=head).send(q._writer._sock)
 
-    def _send_ready(self) -> None:
+    def _send_ready(self, take_back: bool = True) -> None:
         """Send ready tasks to the active slots holding fewest unfinished messages while they hold fewer than DEPTH
         (the lock held), each message one task or a batch (Note [batches]); with none ready, move to a slot holding
-        none a message queued behind a running one."""
+        none a message queued behind a running one (unless ``take_back`` is False: ``balance`` does it later)."""
         while True:
             lengths = list(map(len, self.sent[:self.active]))
             k = lengths.index(min(lengths))
             if not self.ready:
-                if not self.sent[k]:
+                if take_back and not self.sent[k]:
                     self._take_back(k)
                 return
             if len(self.sent[k]) >= DEPTH:
@@ -266,8 +266,16 @@ class Slots:
                 self.per_task = per_task
                 self.n = max(1, min(BATCH_MAX, int(BATCH_TIME / max(per_task, 1e-9))))
             if room:  # a message finished: its slot has room
-                self._send_ready()
+                self._send_ready(take_back=False)  # (a task may come before the handler's balance: the executor's)
             return known
+
+    def balance(self) -> None:
+        """With no task ready, move a message queued behind a running one to a slot left with nothing to do
+        (Note [lost tasks]): the result handler's, once it has delivered what it read (a front that sends a task
+        as a result arrives, the executor, has sent it to the idle slot by then, and nothing is moved)."""
+        if not self.ready and not all(self.sent[:self.active]):
+            with self.lock:
+                self._send_ready()
 
     def exited(self, w, how: tuple) -> None:
         """Record the death of ``w`` (reaped, the lock held) with the messages it took (Note [lost tasks]) and
