@@ -24,10 +24,17 @@ def test_submodules_are_there_as_in_multiprocessing():
             "print(Queue.__module__, mp.pool.Pool.__module__, mp.managers.SyncManager.__module__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["mp_reductions._queues", "mp_reductions._pool", "multiprocessing.managers"]
+    assert out.stdout.split() == ["mp_reductions._queues", "mp_reductions._pool.pool", "multiprocessing.managers"]
 
 
 def test_ours_are_instances_of_the_stdlib_classes():
+    with mp.Pool(1) as pool:
+        assert isinstance(pool, multiprocessing.pool.Pool)
+        r, m = pool.apply_async(abs, (-1,)), pool.map_async(abs, [-1])
+        assert isinstance(r, multiprocessing.pool.AsyncResult) and isinstance(m, multiprocessing.pool.MapResult)
+        assert isinstance(pool.imap(abs, [-1]), multiprocessing.pool.IMapIterator)
+        assert isinstance(pool.imap_unordered(abs, [-1]), multiprocessing.pool.IMapUnorderedIterator)
+        assert (r.get(60), m.get(60)) == (1, [1]) and mp.pool.MapResult is type(m)
     q, (a, b) = mp.Queue(), mp.Pipe()
     assert isinstance(q, multiprocessing.queues.Queue) and isinstance(q, mp.queues.Queue)
     assert isinstance(a, multiprocessing.connection.Connection) and isinstance(a, mp.connection.Connection)
@@ -71,4 +78,4 @@ def test_executor_with_max_tasks_per_child_picks_spawn_as_the_stdlibs():
             "    print(ctx.get_start_method(), type(ctx).__module__, list(ex.map(abs, [-1, 2])))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["spawn", "arraymp._context", "[1,", "2]"]
+    assert out.stdout.split() == ["spawn", "multiprocessing.context", "[1,", "2]"]  # (its queues are the pool's own)
