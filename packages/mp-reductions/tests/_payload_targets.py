@@ -21,6 +21,26 @@ class ZeroCopy(bytearray):
             return cls(m)
 
 
+class Seen:
+    """A user type that hands its bytes out of band (read-only or not), and says what its rebuild was given."""
+
+    def __init__(self, data, readonly: bool, kind: str | None = None):
+        self.data, self.readonly, self.kind = data, readonly, kind
+
+    def __reduce_ex__(self, protocol):
+        buf = bytes(self.data) if self.readonly else bytearray(self.data)
+        return type(self)._rebuild, (pickle.PickleBuffer(buf), self.readonly)
+
+    @classmethod
+    def _rebuild(cls, buf, readonly):
+        kind = type(buf).__name__
+        if kind == "bytearray":
+            buf.extend(b"")  # what code tested on small data calls
+        elif kind == "bytes":
+            hash(buf)
+        return cls(bytes(buf), readonly, kind)
+
+
 def echo(conn_in, conn_out) -> None:
     """Send back every object received until None."""
     mpr.init_reductions()

@@ -283,7 +283,27 @@ def _pickle_once(obj, out: Outgoing, head: bytes) -> tuple[Outgoing, bytes | _In
     return out, writer.payload()
 
 
+# Note [buffer rebuilds]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# Invariant: a protocol-5 buffer is rebuilt from the same type of object at every size: what pickle gives in band (a
+# ``bytearray`` if the sender's buffer was writable, ``bytes`` if read-only), except the buffers of numpy arrays and
+# pyarrow Buffers, which are rebuilt over the shared memory with no copy (a ``memoryview``, read-only where the
+# sender's was) at every size past the inline threshold. A type's ``__reduce_ex__(5)`` hands its rebuild whatever
+# the unpickler got; code that calls ``buf.extend``, ``buf.decode``, ``hash(buf)`` or checks ``isinstance(buf,
+# bytearray)`` works on small data as the stdlib gives it, and must not break on large (it did: out of band, past
+# 64 KiB, it got a memoryview). numpy's and pyarrow's rebuilds take any buffer, which is where zero copies pay:
+# pandas frames are numpy and pyarrow buffers underneath. The others go in band: their bytes are written into the
+# message's pickle, spilled into a recycled segment when it is large (Note [spills]), one copy on each side as the
+# stdlib makes, by shared memory.
 def _out_of_band(buf) -> bool:
+    """The pickler's ``buffer_callback`` (Note [buffer rebuilds])."""
+    try:
+        exporter = buf.raw().obj
+    except BufferError:  # not contiguous: in band, where pickle raises as the stdlib's does
+        return True
+    kind = type(exporter)
+    if not (isinstance(exporter, np.ndarray) or (kind.__name__ == "Buffer" and kind.__module__.startswith("pyarrow"))):
+        return True
     return tls.ctx.out_of_band(buf)
 
 
