@@ -36,16 +36,15 @@ def main() -> None:
     shm_manager.join_group(group)
     r, w = os.pipe()
     child = os.fork()
-    if child == 0:  # lives until this process exits; sends a claim when asked
+    if child == 0:  # lives until this process exits, its connection open; sends a claim when asked
         os.close(w)
+        sock = None
         while True:
             name = os.read(r, 4096).decode()
             if not name:
                 os._exit(0)
-            sock = connect(d, group)
+            sock = sock or connect(d, group)
             sock.sendall(frame("C", f"{_paths.start_time(os.getpid())}:{name}"))
-            time.sleep(0.2)
-            sock.close()
     dead = os.fork()
     if dead == 0:
         os._exit(0)
@@ -69,10 +68,11 @@ def main() -> None:
                 payload = payload.replace(key, value)
             sock.sendall(frame(op, payload))
     time.sleep(0.2)
-    for sock in socks:
-        sock.close()
     os.close(w)
     os.waitpid(child, 0)
+    time.sleep(0.2)
+    for sock in socks:
+        sock.close()
 
 
 if __name__ == "__main__":

@@ -40,18 +40,18 @@ booked yet. A count a process holds on its own word (``H``; ``A`` or ``C``
 before their ``T`` or ``G``) is booked when the name carries its pid (its
 maker tells before making the file), or when the header holds more counts
 than the books (holds and given counts): one per process and name at a time.
-A ``T`` or ``G`` is booked only for a count beyond the books; a ``G`` only
-from the child's parent (its ppid and start time while it lives, or is a
-zombie; once it is gone, a process started before it), once per child and
-name. The second frame of a pair moves the first one's count; an ``A`` or
-``C`` not booked waits for its pair. So a frame announcing a count nobody
-added, or one booked already, books nothing, and its sender's end gives
-nothing back. What is left: processes add counts in shared memory, so the
-daemon cannot tell who added one not yet booked (a message's in-flight count
-before its reader takes it over, a Pool's kept count): another process's
-frame may book it, and its owner then holds it unbooked (its end gives
-nothing back, its group's end does). Closing that needs every count booked
-by the process that adds it, as it adds it.
+A ``T`` or ``G`` moves the count of a booked ``A`` or ``C`` that came first;
+otherwise it is booked (or completes a waiting ``A`` or ``C`` not booked)
+only for a count beyond the books; a ``G`` only from the child's parent (its
+ppid and start time while it lives, or is a zombie; once it is gone, a
+process started before it), once per child and name. So a frame announcing a
+count nobody added, or one booked already, books nothing, and its sender's
+end gives nothing back. What is left: processes add counts in shared memory,
+so the daemon cannot tell who added one not yet booked (a message's
+in-flight count before its reader takes it over, a Pool's kept count):
+another process's frame may book it, and its owner then holds it unbooked
+(its end gives nothing back, its group's end does). Closing that needs every
+count booked by the process that adds it, as it adds it.
 
 Note [Counts given at fork]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -341,16 +341,17 @@ class Daemon:
     def _told(self, conn: socket.socket, reader: int, name: str) -> None:
         """T: ``conn``'s process sent ``reader`` one count of ``name`` (Note [Counts sent to a reader])."""
         key = (self.peers[conn], reader)
-        entry = _first(self.taken_early.get(key), name)
-        if entry is not None:  # its reader's take came first
-            taker, booked = entry
-            if booked:  # a hold already (or a D: given back by the reader), now a count it was sent
-                self._disown(taker, name)
-            else:  # a take that waited for its T
-                self._hold(taker, name)
+        waiting = self.taken_early.get(key)
+        taker = _first(waiting, name, booked=True)
+        if taker is not None:  # its reader's take came first, booked (or a D: given back by the reader)
+            self._disown(taker[0], name)  # now a count it was sent
         elif self._unbooked(name):
-            counts = self.sent.setdefault(key, {})
-            counts[name] = counts.get(name, 0) + 1
+            taker = _first(waiting, name, booked=False)
+            if taker is not None:  # a take that waited for its T
+                self._hold(taker[0], name)
+            else:
+                counts = self.sent.setdefault(key, {})
+                counts[name] = counts.get(name, 0) + 1
 
     def _took(self, conn: socket.socket, sender: int, name: str) -> None:
         """A: ``conn``'s process takes over the count ``sender`` sent it (Note [Counts sent to a reader])."""
@@ -367,15 +368,16 @@ class Daemon:
         """G: ``conn``'s process gave its fork child ``child`` one count of ``name`` (Note [Counts given at fork])."""
         if not self._parent_of(self.peers[conn], child) or self.given.get(child, {}).get(name):
             return  # not its child, or given twice (Note [Booked counts])
-        entry = _first(self.early[child][1] if child in self.early else None, name)
-        if entry is not None:  # claimed already: that claim was this count
-            claimant, booked = entry
-            if booked:
-                self._disown(claimant, name)
-            else:  # a claim that waited for its G
-                self._hold(claimant, name)
+        waiting = self.early[child][1] if child in self.early else None
+        claimant = _first(waiting, name, booked=True)
+        if claimant is not None:  # claimed already, booked: that claim was this count
+            self._disown(claimant[0], name)
             return
         if not self._unbooked(name):
+            return
+        claimant = _first(waiting, name, booked=False)
+        if claimant is not None:  # a claim that waited for its G
+            self._hold(claimant[0], name)
             return
         given = self.given.setdefault(child, {})
         given[name] = given.get(name, 0) + 1
@@ -515,15 +517,17 @@ def _number(text: str) -> int | None:
     return int(text) if text.isascii() and text.isdigit() and len(text) < 20 else None
 
 
-def _first(waiting: dict | None, name: str):
-    """The first claim or take of ``name`` waiting in ``waiting`` (name -> entries), taken off; or None."""
+def _first(waiting: dict | None, name: str, booked: bool):
+    """The first claim or take of ``name`` waiting in ``waiting`` (name -> entries) that is ``booked`` (or not),
+    taken off; or None."""
     entries = waiting.get(name) if waiting else None
-    if not entries:
-        return None
-    entry = entries.pop(0)
-    if not entries:
-        del waiting[name]
-    return entry
+    for i, entry in enumerate(entries or ()):
+        if entry[1] == booked:
+            del entries[i]
+            if not entries:
+                del waiting[name]
+            return entry
+    return None
 
 
 def _take(counts: dict, key: tuple[int, int], name: str) -> bool:
