@@ -19,8 +19,8 @@ execs) or posix_spawning (its file actions name its new pipes, past the old limi
 call meanwhile may be refused a descriptor; our receives then try again.
 
 Not covered (the raised limit is kept): ``os.posix_spawn`` with a file action naming a descriptor past the old
-limit (glibc refuses it under that limit), what C code starts itself (ctypes, extensions), a fork child that does
-not exec.
+limit (glibc refuses it under that limit), a call through a reference to these functions taken before the limit was
+raised (``from os import execv``), what C code starts itself (ctypes, extensions), a fork child that does not exec.
 """
 
 from __future__ import annotations
