@@ -55,6 +55,12 @@ PRIVATE = [
      "our channels' pickler misses every registered reducer (arrays go by copy); init_reductions fails"),
     ("subprocess", "_fork_exec", "attribute", "mp_reductions/_nofile.py",
      "looked up with a default: subprocess children silently keep the raised RLIMIT_NOFILE"),
+    ("subprocess", "_USE_VFORK", "attribute", "mp_reductions/_nofile.py",
+     "set False once the limit is raised: the name gone, children vforked with the GIL released may see other "
+     "threads refused descriptors while the limit is lowered for them (Note [open-files limit])"),
+    ("subprocess", "_USE_POSIX_SPAWN", "attribute", "mp_reductions/_nofile.py",
+     "set False once the limit is raised: the name gone, Popen's posix_spawn fails with EBADF (its pipes past the "
+     "old limit) or its children keep the raised limit"),
     ("_posixsubprocess", "fork_exec", "attribute", "mp_reductions/_nofile.py",
      "the module gone: _nofile fails to import; the name gone: spawn/forkserver children silently keep the "
      "raised RLIMIT_NOFILE (a C function: no signature assumed, our wrapper passes *args, **kwargs)"),
@@ -93,6 +99,8 @@ IN_SOURCE = {
     ("multiprocessing.spawn", "_inheriting"): ("multiprocessing.spawn", "._inheriting"),
     # we wrap the module attributes: they are only seen if the stdlib calls through them
     ("subprocess", "_fork_exec"): ("subprocess", "_fork_exec("),
+    ("subprocess", "_USE_VFORK"): ("multiprocessing.util", "subprocess._USE_VFORK"),
+    ("subprocess", "_USE_POSIX_SPAWN"): ("subprocess", "if (_USE_POSIX_SPAWN"),
     ("_posixsubprocess", "fork_exec"): ("multiprocessing.util", "_posixsubprocess.fork_exec("),
 }
 

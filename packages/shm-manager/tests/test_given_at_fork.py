@@ -121,17 +121,22 @@ def test_a_segment_its_maker_died_making_is_removed(tmp_path, monkeypatch):
     # but no header in it
     monkeypatch.setenv("ARRAYMP_SHM_DIR", str(tmp_path))
     d = str(tmp_path)
-    name = shm_manager.new_name()
+    named_r, named_w = os.pipe()
 
     def make_half():
+        name = shm_manager.new_name()  # its own: a maker's count is on its word before the file exists
         shm_manager.register(name, d)
         shm_manager.hold(name, d)
         shm_manager.flush()
         fd = os.open(os.path.join(d, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         os.ftruncate(fd, 8192)
+        os.write(named_w, name.encode())
 
     pid, _, r = fork_child(make_half, linger=True)
     assert os.read(r, 1) == b"x"
+    os.close(named_w)
+    name = os.read(named_r, 200).decode()
+    os.close(named_r)
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     os.close(r)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import shm_core
 import shm_manager
 from conftest import HOLDER, figure, kill, segments_of, wait_until
+from shm_manager import _client
 
 
 def test_a_killed_holder_gives_its_count_back(tmp_path, monkeypatch):
@@ -132,3 +136,35 @@ def test_a_normal_exit_still_holding_a_segment_is_no_leak(env, tmp_path):
     logs = [os.path.join(root, "manager.log") for root, _, files in os.walk(d) if "manager.log" in files]
     text = "".join(open(log).read() for log in logs)
     assert lost in text and held not in text, text
+
+
+def test_a_daemon_far_behind_its_clients_gives_back_none_of_their_counts(tmp_path, monkeypatch):
+    # a stopped (or starved) daemon left a busy client with more than _MAX_PENDING bytes unsent: the client closed
+    # its connection, and the daemon, reading that EOF, gave back the counts the client still held
+    monkeypatch.setenv("ARRAYMP_SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(_client, "_MAX_PENDING", 64 << 10)
+    d = str(tmp_path)
+    seg = shm_core.create(4096, name=shm_manager.new_name(), dir=d)
+    shm_manager.register(seg.name, d)
+    shm_manager.hold(seg.name, d)
+    seg.incref()
+    shm_manager.flush()
+    daemon = shm_manager.daemon_pid(d)
+    os.kill(daemon, signal.SIGSTOP)
+    resume = threading.Timer(2.0, os.kill, (daemon, signal.SIGCONT))
+    resume.start()
+    try:
+        other = shm_manager.new_name()
+        for _ in range(20_000):  # ~2.4 MB of frames
+            shm_manager.register(other, d)
+            shm_manager.unregister(other, d)
+    finally:
+        resume.join()
+        os.kill(daemon, signal.SIGCONT)
+    assert shm_manager.flush(10)
+    time.sleep(0.3)
+    assert os.path.exists(seg.path) and seg.refcount == 1
+    assert shm_manager.daemon_pid(d) == daemon
+    assert shm_manager.release(seg.name, d)
+    wait_until(lambda: not os.path.exists(seg.path), 5, "the last release to unlink")
+    seg.close()

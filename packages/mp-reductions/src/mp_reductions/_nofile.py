@@ -1,51 +1,58 @@
 """The open-files limit (RLIMIT_NOFILE): raised for this process's shared-memory descriptors when they need it, and
 for nothing else.
 
-Note [open-files limit]: the descriptor LRU (_shared Note [descriptors]) keeps a budget of a quarter of the soft
-limit; a normal user's soft limit is commonly 1024 (a budget of 256) under a hard one of 65,536 or more, and a
-descriptor the LRU closes cannot be re-opened without privileges. So, as Go's runtime does, the process raises its
-soft limit to the hard one, but only when it must and only for itself:
+Note [open-files limit]
+~~~~~~~~~~~~~~~~~~~~~~~
+Every program this process execs starts under the soft limit the process had before it raised its own, however
+many descriptors it holds (a child that sizes an ``fd_set`` by its limit must not abort), but for those listed
+last. It is raised to the hard one, as Go's runtime does, because the descriptor LRU (_shared Note
+[descriptors]) keeps a quarter of it and a closed descriptor cannot be re-opened without privileges: only when
+the LRU would close a live one or a receive would refuse a message (``raise_for_budget``), never at import, never
+a limit the user set (under ``FLOOR``, or changed since).
 
-- when the LRU is about to close a live segment's descriptor, or a receive is about to refuse a message for want of
-  descriptors (``raise_for_budget``), never at import: a program that keeps fewer than a quarter of its limit in
-  shared segments and never runs out never changes it;
-- never a limit the user set: one under ``FLOOR`` (1024, the usual default: lower was set on purpose), nor one
-  changed since this module first saw it (``resource.setrlimit`` after import);
-- never for other programs: once raised, every child that execs (``subprocess``, ``os.exec*``, ``os.system``,
-  ``os.posix_spawn``, multiprocessing's spawn and forkserver launches) gets the limit the process had before, as
-  Go gives every exec'd child. Those calls are wrapped while the limit is raised: the soft limit is lowered around
-  the call and restored after (an exec that succeeds replaces the process). Where this process already holds a
-  descriptor at or past the old limit, lowering it could fail another thread's ``open`` meanwhile: then the child
-  gets the raised limit. A fork child (no exec) keeps it, as it keeps the descriptors it counts for.
+Open descriptors stay valid under a lower limit, so the exec alone gets the old one: ``os.execv``/``os.execve``
+(so ``os.exec*``, ``os.spawn*``, fork then exec) lower it in the process that execs; ``os.system``'s shell lowers
+its own (``ulimit -S -n``); ``subprocess``, ``os.posix_spawn*`` and multiprocessing's spawn and forkserver
+launches fork in C, so they run under the old limit, lowered and raised again by C calls chained with no Python
+between them, the GIL held: subprocess then forks instead of vforking (which releases the GIL until the child
+execs) or posix_spawning (its file actions name its new pipes, past the old limit). A thread inside a system
+call meanwhile may be refused a descriptor; our receives then try again.
 
-A spawned arraymp process starts from the old limit and raises it on its own when its descriptors need it.
+Not covered (the raised limit is kept): ``os.posix_spawn`` with a file action naming a descriptor past the old
+limit (glibc refuses it under that limit), a call through a reference to these functions taken before the limit was
+raised (``from os import execv``), what C code starts itself (ctypes, extensions), a fork child that does not exec.
 """
 
 from __future__ import annotations
 
 import _posixsubprocess
 import functools
+import operator
 import os
 import resource
 import subprocess
 import threading
+import time
 
 FLOOR = 1024
-_lock = threading.Lock()
+_RETRY_AFTER_EXEC = 1.0  # seconds after a child's start in which a refusal of descriptors may have been its doing
+_lock = threading.RLock()
 _seen = resource.getrlimit(resource.RLIMIT_NOFILE)[0]  # the soft limit as this process last saw or set it
 _before: int | None = None  # the soft limit before this process raised it
-_lowered = 0  # wrapped exec calls under way
-_restore_to: int | None = None  # the raised soft limit, while the calls under way run under the old one
+_started_at = -_RETRY_AFTER_EXEC  # time.monotonic() when the last child started under the old limit was started
 
 
 def raise_for_budget() -> bool:
     """Raise the soft limit to the hard one (at most the kernel's fs.nr_open) if Note [open-files limit] allows;
-    True when it changed."""
+    True when the caller may try again with more descriptors than it had: the limit changed, or a child was
+    started under the old limit right before (another thread may have been refused a descriptor meanwhile)."""
     global _seen, _before
     with _lock:
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft != _seen or soft == resource.RLIM_INFINITY or soft < FLOOR or _lowered:
+        if soft != _seen or soft == resource.RLIM_INFINITY or soft < FLOOR:
             return False
+        if _before is not None and time.monotonic() - _started_at < _RETRY_AFTER_EXEC:
+            return True
         try:
             with open("/proc/sys/fs/nr_open") as f:
                 ceiling = int(f.read())
@@ -65,58 +72,98 @@ def raise_for_budget() -> bool:
         return True
 
 
-def _lower() -> None:
-    global _lowered, _restore_to
-    with _lock:
-        _lowered += 1
-        if _lowered > 1 or _before is None:
-            return
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft == _seen and soft > _before and _highest_fd() < _before:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (_before, hard))
-            _restore_to = soft
+def _raised() -> tuple[int, int, int] | None:
+    """``(soft before, soft now, hard)`` while this process runs under the soft limit it raised, else None."""
+    if _before is None:
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return (_before, soft, hard) if soft == _seen and soft > _before else None
 
 
-def _restore() -> None:
-    global _lowered, _restore_to
-    with _lock:
-        _lowered -= 1
-        if _lowered or _restore_to is None:
-            return
-        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-        resource.setrlimit(resource.RLIMIT_NOFILE, (_restore_to, hard))
-        _restore_to = None
+def _under_old_limit(call, fits=lambda old, kwargs: True):
+    """``call`` (an exec, or a C function that forks and execs) run with the soft limit the process had before,
+    where ``fits(old, kwargs)``."""
 
-
-def _highest_fd() -> int:
-    try:
-        return max(map(int, os.listdir("/proc/self/fd")))
-    except (OSError, ValueError):
-        return 1 << 30  # cannot tell: do not lower
-
-
-def _exec_with_old_limit(call):
     @functools.wraps(call)
     def wrapper(*args, **kwargs):
-        _lower()
-        try:
-            return call(*args, **kwargs)
-        finally:
-            _restore()
+        global _started_at
+        with _lock:
+            limits = _raised()
+            if limits is None or not fits(limits[0], kwargs):
+                return call(*args, **kwargs)
+            old, raised, hard = limits
+            nofile = resource.RLIMIT_NOFILE
+            steps = (functools.partial(resource.setrlimit, nofile, (old, hard)),
+                     functools.partial(call, *args, **kwargs),
+                     functools.partial(resource.setrlimit, nofile, (raised, hard)))
+            try:
+                return list(map(operator.call, steps))[1]  # C calls only: no Python thread runs in between
+            except BaseException:
+                resource.setrlimit(nofile, (raised, hard))  # the call failed (an exec that succeeds never returns)
+                raise
+            finally:
+                _started_at = time.monotonic()
 
     wrapper._arraymp_wrapped = call
     return wrapper
 
 
-# Where a child is exec'd: (module, attribute). subprocess binds _posixsubprocess.fork_exec as its own
-# _fork_exec; multiprocessing's spawn calls _posixsubprocess.fork_exec; os.exec* and os.spawn* call os.execv /
-# os.execve by name.
-EXEC_CALLS = [(os, "execv"), (os, "execve"), (os, "system"), (os, "posix_spawn"), (os, "posix_spawnp"),
-              (subprocess, "_fork_exec"), (_posixsubprocess, "fork_exec")]
+def _shell_under_old_limit(system):
+    """``os.system``: its shell lowers its own soft limit before it runs the command (the call waits for the
+    command, which may take hours: this process keeps its limit meanwhile)."""
+
+    @functools.wraps(system)
+    def wrapper(command):
+        limits = _raised()
+        if limits is not None:
+            command = os.fspath(command)
+            prefix = f"ulimit -S -n {limits[0]} 2>/dev/null\n"
+            command = os.fsencode(prefix) + command if isinstance(command, bytes) else prefix + command
+        return system(command)
+
+    wrapper._arraymp_wrapped = system
+    return wrapper
+
+
+def _spawn_under_old_limit(spawn):
+    """``os.posix_spawn*``: glibc refuses a file action naming a descriptor at or past the soft limit (EBADF), so
+    such a call keeps the raised one (Note [open-files limit])."""
+
+    def fits(old, kwargs):
+        try:
+            for action in kwargs.get("file_actions") or ():
+                if max(action[1:3] if action[0] == os.POSIX_SPAWN_DUP2 else action[1:2]) >= old:
+                    return False
+        except (TypeError, IndexError, ValueError):  # not ours to judge: the call raises its own error
+            pass
+        return True
+
+    return _under_old_limit(spawn, fits)
+
+
+# Where a child is exec'd: (module, attribute, wrapper). subprocess binds _posixsubprocess.fork_exec as its own
+# _fork_exec; multiprocessing's spawn calls _posixsubprocess.fork_exec; os.exec*, os.spawn* and os.execvp* call
+# os.execv / os.execve by name.
+EXEC_CALLS = [(os, "execv", _under_old_limit), (os, "execve", _under_old_limit),
+              (os, "posix_spawn", _spawn_under_old_limit), (os, "posix_spawnp", _spawn_under_old_limit),
+              (subprocess, "_fork_exec", _under_old_limit), (_posixsubprocess, "fork_exec", _under_old_limit),
+              (os, "system", _shell_under_old_limit)]
 
 
 def _wrap_exec() -> None:
-    for module, name in EXEC_CALLS:
+    # subprocess's file actions for posix_spawn name the pipes it just made, past the old limit (EBADF); and its vfork
+    # lets every thread run while the child execs (the GIL released, Note [open-files limit]): fork, holding it
+    subprocess._USE_POSIX_SPAWN = False  # type: ignore[misc]  # (Final in typeshed)
+    subprocess._USE_VFORK = False  # type: ignore[misc]
+    for module, name, wrap in EXEC_CALLS:
         call = getattr(module, name, None)
         if call is not None and not hasattr(call, "_arraymp_wrapped"):
-            setattr(module, name, _exec_with_old_limit(call))
+            setattr(module, name, wrap(call))
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.RLock()  # another thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

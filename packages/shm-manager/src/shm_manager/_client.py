@@ -4,7 +4,10 @@ Adapts the client half of CPython's ``multiprocessing/resource_tracker.py``:
 one stream connection per process and segment directory (a forked child drops
 the parent's and makes its own), small framed messages, no replies. A call
 appends a frame and sends it with MSG_DONTWAIT (one syscall, no round trip);
-what the socket does not take now goes with the next call. The daemon of a
+what the socket does not take now goes with the next call. A connection stays
+open while its daemon lives, however far behind it is (its EOF would have the
+daemon give back counts this process still holds): past ``_MAX_PENDING``
+bytes unsent, a call waits up to ``_BEHIND_WAIT`` for room. The daemon of a
 directory serves only that directory and group (Note [Daemon input] in
 _daemon.py), so a name goes to the daemon of the directory it is in and of the
 group its name carries, which need not be this process's (Note [Holds across
@@ -47,6 +50,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 _MAX_PENDING = 4 << 20
+_BEHIND_WAIT = 1.0  # seconds a call waits for a daemon that far behind
 _BATCH = 4096  # bytes of frames that need not go at once (drop_from) sent together: one read of the daemon's
 _RETRY_AFTER = 1.0
 
@@ -400,13 +404,18 @@ def _drop(c: _Conn) -> None:
 
 
 def _drain(c: _Conn) -> None:
+    waited = False
     while c.sock is not None and c.pending:
         try:
             n = c.sock.send(c.pending, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
         except (BlockingIOError, InterruptedError):
-            if len(c.pending) > _MAX_PENDING:  # daemon stuck: start over later, names are kept
-                _drop(c)
-            return
+            if len(c.pending) <= _MAX_PENDING or waited:
+                return  # the rest goes with the next call
+            waited = True  # a daemon this far behind (stopped, starved) slows this process, never drops it
+            room = select.poll()
+            room.register(c.sock, select.POLLOUT)
+            room.poll(int(_BEHIND_WAIT * 1000))
+            continue
         except OSError:  # daemon gone (killed): reconnect, with every name, at once
             _drop(c)
             if _connect(c) and c.pending:

@@ -75,11 +75,24 @@ _warned: set = set()
 def start_time(pid: int) -> int | None:
     """When ``pid`` started (field 22 of /proc/<pid>/stat, clock ticks since boot): with its pid, a name for a
     process that no later process can have. None when it is gone."""
+    got = parent_and_start(pid)
+    return None if got is None else got[1]
+
+
+def parent_and_start(pid: int) -> tuple[int, int] | None:
+    """``(parent pid, start time)`` of ``pid`` (fields 4 and 22 of /proc/<pid>/stat; a zombie has both), or None
+    when it is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rpartition(b")")[2].split()[19])
+            fields = f.read().rpartition(b")")[2].split()
+        return int(fields[1]), int(fields[19])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def ticks_now() -> int:
+    """Now, in the clock ticks since boot of ``start_time``."""
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK")) + 1
 
 
 def parse(name: str) -> tuple[str, int, str, int] | None:
