@@ -11,6 +11,7 @@ remove what a group left when its daemon died with it. Nothing of a live group
 or of another user is ever touched.
 """
 
+from . import _end  # noqa: F401  (registers the group's end at exit: Note [End of a group])
 from ._client import (
     claim,
     daemon_pid,

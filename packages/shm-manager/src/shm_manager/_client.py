@@ -16,7 +16,7 @@ first need; when it is gone (killed), the next call starts a new one and sends
 it every name this process still has registered. Nothing here ever raises:
 when no daemon can be had, that is said once (a RuntimeWarning) and the group
 works on; its segments are then removed when it ends (Note [End of a group] in
-_group.py), or by the next program's sweep or ``gc``.
+_end.py), or by the next program's sweep or ``gc``.
 
 Frame: ``<u32 length><op><name>``, op ``R`` (register) or ``U``, ``H`` (this
 process holds one count of the segment's refcount) or ``X`` (the daemon takes

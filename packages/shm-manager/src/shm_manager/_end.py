@@ -1,0 +1,52 @@
+"""A group's end: what its main process removes as it exits normally (adapts nothing of the stdlib's).
+
+Note [End of a group]
+~~~~~~~~~~~~~~~~~~~~~
+The main process (the one that made the token), exiting normally, closes its
+locks and, where that proves the group dead (in the dirs it was a member of,
+and the default shm dir), removes what is left of it there: segments, the
+daemon's socket, the lock file. So a program leaves nothing, even when no
+daemon ran (its first segment could not be made) or none could be started.
+Other members leave that to the daemon: a child that ends right after sending
+a segment to a parent that has had none yet (so is no member) would otherwise
+remove it under the parent, with no linger. The daemon does the same when
+members are killed; the next program's sweep, or ``shm-manager gc``, when the
+daemon was killed too.
+"""
+
+from __future__ import annotations
+
+import os
+from multiprocessing import util
+
+import shm_core
+
+from . import _client, _gc, _group, _paths
+
+
+def _at_exit() -> None:
+    """Note [End of a group]."""
+    st = _group._state
+    if st.pid != os.getpid() or not st.root:
+        return
+    still_held = _client.held()  # referenced here at exit (a module-level array): removed, but no leak
+    held, st.locks = st.locks, {}
+    for fd, _rdir in held.values():
+        os.close(fd)
+    locks = {shm: got for (shm, token), got in held.items() if token == st.token}
+    # also the default dir where only children (leaving by os._exit) were members
+    default = os.path.abspath(shm_core.shm_dir())
+    for shm in {**locks, default: None}:
+        try:
+            rdir = locks[shm][1] if shm in locks else _paths.runtime_dir(shm, create=False, group=st.token)
+            dfd = _gc.open_dir(shm)
+            try:
+                _gc.end_group(st.token, rdir, dfd, held=still_held)
+            finally:
+                os.close(dfd)
+        except Exception:  # exiting anyway; the next program's sweep removes what is left
+            pass
+
+
+# after _client's _close_connections (-100), which gives back what this process still holds
+util.Finalize(None, _at_exit, exitpriority=-200)
