@@ -54,7 +54,7 @@ PKG = {
 DOCS = ["mkdocs-material>=9.5,<10", "mkdocstrings>=1.0,<2", "mkdocstrings-python>=2.0,<3"]
 # What README.md's install takes from an index: our packages' third-party dependencies, and the build backends of
 # our pyproject.toml files.
-FROM_INDEX = ["numpy", "tqdm"]
+FROM_INDEX = ["numpy", "tqdm", "cloudpickle"]
 BUILD_BACKENDS = ["hatchling", "scikit-build-core"]
 
 

@@ -293,3 +293,14 @@ def graceful_nap(seconds, ignore=False):
 def nap_then_print(seconds, text):
     time.sleep(seconds)
     print(text, flush=True)
+
+
+def call_each(funcs):
+    """Each function called with no argument, or with None."""
+    out = []
+    for f in funcs:
+        try:
+            out.append(f())
+        except TypeError:
+            out.append(f(None))
+    return out

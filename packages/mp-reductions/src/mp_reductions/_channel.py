@@ -38,7 +38,7 @@ from multiprocessing.reduction import ForkingPickler
 import numpy as np
 import shm_core
 
-from . import _nofile, _recycle, _shared, _stats
+from . import _byvalue, _nofile, _recycle, _shared, _stats
 from ._bare import BARE_KINDS, NOTHING, decode, encode
 from ._reductions import MAX_FDS, CopyMiss, Incoming, Outgoing, _received, tls
 
@@ -112,6 +112,10 @@ class _Pickler(pickle.Pickler):
         key = (len(copyreg.dispatch_table), *extra.values())
         if key != cls._key:
             cls._key, cls.dispatch_table = key, {**copyreg.dispatch_table, **extra}
+
+    def reducer_override(self, obj):
+        """Functions and classes a receiver could not import, by value (_byvalue Note [by value])."""
+        return _byvalue.reducer_override(obj)
 
 
 def _pickle(obj, out: Outgoing, head: bytes = b"") -> tuple[Outgoing, memoryview]:

@@ -78,6 +78,7 @@ import shm_core
 import shm_manager
 
 from . import _alloc, _recycle, _shared, _stats
+from ._byvalue import reduce_process
 from ._strategy import get_inline_threshold, get_sharing_strategy
 
 MAX_FDS = 250  # the kernel passes at most 253 descriptors in one message (SCM_MAX_FD)
@@ -747,6 +748,8 @@ def init_reductions() -> None:
     if reduction.ForkingPickler._extra_reducers.get(np.ndarray) is reduce_ndarray:
         return
     reduction.ForkingPickler.register(np.ndarray, reduce_ndarray)
+    for process in (mp_context.SpawnProcess, mp_context.ForkServerProcess):  # _byvalue Note [by value]
+        reduction.ForkingPickler.register(process, reduce_process)
     _stats.publish()  # readable by `python -m arraymp stats PID` from now on (_stats Note [stats])
     # Join (or start) this program's shm-manager group now: a child joins its
     # parent's, and a new program sweeps what dead groups left in /dev/shm.

@@ -61,6 +61,19 @@ FORKSERVER_DIED = (
 )
 
 
+def _check_main_importable(method: str) -> None:
+    """A spawn or forkserver worker imports the main module again from its file before it runs anything: a script
+    read from stdin (``python - <<EOF``) has none, and every worker would die there (the fork server first)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if getattr(main, "__spec__", None) is None and isinstance(path, str) and not os.path.exists(path):
+        raise RuntimeError(
+            f"this script was read from {path} (`python - <<EOF` or a pipe), and {method} workers import the main "
+            "module again from its file before they run anything: there is none to import. Write the script to a "
+            "file and run that, or pass it with `python -c`, or use the fork start method "
+            "(mp.get_context('fork')); an `if __name__ == \"__main__\":` guard cannot help here")
+
+
 def start_process(ctx, *args, **kwds):
     """The stdlib Pool's ``Process`` hook: a process of ``ctx``."""
     return ctx.Process(*args, **kwds)
@@ -78,6 +91,8 @@ class Core:
         init_reductions()
         self.ctx, self.Process, self.processes = ctx, Process, processes
         self.method = ctx.get_start_method()
+        if self.method in ("spawn", "forkserver"):
+            _check_main_importable(self.method)
         if self.method == "forkserver":
             _preload_in_fork_server(ctx)
         self.initializer, self.initargs, self.maxtasks = initializer, initargs, maxtasks

@@ -55,7 +55,6 @@ import shm_manager
 
 from .. import _stats
 from .._channel import INLINE, Packet, recv_fds
-from .._hints import add_pickling_hint
 from .._queues import SimpleQueue
 from .._reductions import MAX_FDS
 from .clock import Clock
@@ -99,11 +98,7 @@ class Slots:
         result = self.cache.get(job)
         inputs = self.cache.inputs.setdefault(job, {}) if getattr(result, "once_per_call", False) else None
         head = pickle.dumps((job, i))
-        try:
-            packet = Packet(task, head=head, inputs=inputs)  # _reductions Note [inputs once per call]
-        except Exception as e:
-            add_pickling_hint(e, task)  # a lambda: say what to do
-            raise
+        packet = Packet(task, head=head, inputs=inputs)  # may raise: the task's error (_reductions Note [inputs])
         weight = 1 if packet.plain else BATCH_MAX
         with self.lock:
             while not self.closed and self.broken is None and self.weight >= self.ready_max:
