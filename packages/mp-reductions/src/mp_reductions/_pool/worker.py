@@ -54,7 +54,7 @@ GC_INTERVAL = 0.1  # seconds between full collections in a busy worker (after gc
 GC_SHARE = 100  # ... or GC_SHARE times the last one's length, so they take at most 1% of its time ...
 GC_MAX_INTERVAL = 2.0  # ... but never more than this apart
 _IDLE_WAIT = 0.05  # a worker that finds no task within this collects before blocking
-OOM_STEP = 500  # added to a worker's oom_score_adj (Note [out of memory])
+OOM_FIRST = 1000  # a worker's oom_score_adj: the highest (Note [out of memory])
 
 
 class _Collector:
@@ -173,13 +173,18 @@ def _futures_wrapper():
     return getattr(process, "_ExceptionWithTraceback", mp_pool.ExceptionWithTraceback)
 
 
-# Note [out of memory]: when memory runs out (the machine's or a memory cgroup's), the kernel kills the process
-# with the highest badness: its resident and shared pages, plus oom_score_adj thousandths of the memory. The
+# Note [out of memory]
+# ~~~~~~~~~~~~~~~~~~~~
+# Invariant: while any worker of a pool lives, the kernel's OOM killer picks a worker, never the process holding
+# the pool (in the pool's memory cgroup, or the machine). The killer picks the highest badness: resident pages
+# (shared ones included, but not the shmem a worker has reserved and not yet touched: a born-shared allocation's
+# fallocate charges the cgroup before any page is mapped) plus oom_score_adj thousandths of the memory. Every
+# worker sets its own to 1000, the most (raising it needs no privilege), so its badness is at least the whole of
+# the memory and outranks any process at 0, however large the caller and however small the worker (+500, the first
+# version, lost to a caller holding more than half the limit, a 400 MiB shared input beside a fresh worker). The
 # memory of a killed worker's shared segments cannot be reaped at once as private memory can, so the kernel may
-# pick a second victim before the first one's exit frees it: left to size, the process holding the pool. Every
-# worker raises its own oom_score_adj by OOM_STEP (at most 1000; raising it needs no privilege), so any worker
-# outranks its parent by half the memory, however small the worker: the victims are workers, the task fails with
-# WorkerLostError and the caller goes on. A worker's children inherit the raised score.
+# take a second victim before the first one's exit frees it: another worker, or a replacement, never the caller
+# while one lives. A worker's children (a pool of its own) inherit 1000: among them and it, size decides.
 def prepare_worker(shared_results: bool) -> None:
     """What a pool's worker does first: its arrays of 1 MiB or more born in shared memory and private
     (``shared_results``: _alloc Note [moving results]) or numpy's (False too: a fork child inherits its parent's
@@ -187,9 +192,7 @@ def prepare_worker(shared_results: bool) -> None:
     set_shared_allocation(shared_results, private=True)
     try:
         with open("/proc/self/oom_score_adj", "r+") as f:
-            score = int(f.read())
-            f.seek(0)
-            f.write(str(min(1000, score + OOM_STEP)))
+            f.write(str(OOM_FIRST))
     except (OSError, ValueError):  # no procfs: the kernel picks by size alone
         pass
 
