@@ -6,6 +6,7 @@ import queue
 import subprocess
 import sys
 import textwrap
+import threading
 
 import mp_reductions as mpr
 import numpy as np
@@ -151,8 +152,10 @@ def test_object_dtype_and_subclasses_pickle_as_stdlib():
 def test_unpicklable_fails_like_pickle():
     q = mpr.Queue()
     with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
-        q.put(lambda: 1)
+        q.put(threading.Lock())
     assert q.qsize() == 0 and q.empty()
+    q.put(lambda: 1)  # a lambda goes by value (_byvalue Note [by value])
+    assert q.get(timeout=5)() == 1
     q.put(1)  # still usable
     assert q.get(timeout=5) == 1
 
