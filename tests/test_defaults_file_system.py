@@ -107,9 +107,9 @@ if __name__ == "__main__":
 def test_a_pool_whose_workers_are_killed_leaves_no_segments_under_file_system(method, tmp_path):
     # Issue 35, scenario 8: 108 named segments were left 10 s after close/join; the counts a fork child inherits are
     # given to the daemon by pid (shm_manager Note [Counts given at fork]), a segment's name and count are in the
-    # daemon's socket before its file exists (mp_reductions _shared._create), tasks keep their counts in the parent
-    # (Note [kept counts]) and results tell theirs to the daemon (Note [results told]): 6 segments in 30 runs here
-    # (at most 1 a run), 1-6 per run before the last two. What a kill can still leave goes when the group ends:
+    # daemon's socket before its file exists (mp_reductions _shared.create_segment), tasks keep their counts in the
+    # parent (Note [kept counts]) and results tell theirs to the daemon (Note [results told]): 6 segments in 30 runs
+    # here (at most 1 a run), 1-6 per run before the last two. What a kill can still leave goes when the group ends:
     # counts added in the microseconds before their frame is in the daemon's socket, and cases not yet traced.
     import subprocess
     import sys

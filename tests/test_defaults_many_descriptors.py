@@ -24,7 +24,7 @@ fillers = [os.open("/dev/null", os.O_RDONLY) for _ in range(max(0, 1100 - len(os
 ctx = mp.get_context(method)
 with mp.ProcessPoolExecutor(2, mp_context=ctx) as ex:
     futures = [ex.submit(abs, -i) for i in range(200)]
-    assert ex._pool._outqueue._reader.fileno() > 1024  # made at the first submit
+    assert ex._state.core.outqueue._reader.fileno() > 1024  # made at the first submit
     assert [f.result(60) for f in futures] == list(range(200))
     assert float(ex.submit(np.sum, held[-1]).result(60)) == float(held[-1].sum())
 with ctx.Pool(2) as pool:

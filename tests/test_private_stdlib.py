@@ -105,6 +105,10 @@ IN_SOURCE = {
 }
 
 
+# Names a Python version removed, with the version: from it on, the name must be gone and our code must not need it.
+REMOVED = {("subprocess", "_USE_VFORK"): (3, 14)}  # gh-121381: subprocess vforks without a switch
+
+
 # Real instances, for names that exist only on instances.
 INSTANCES = {
     "multiprocessing.forkserver.ForkServer": lambda: contextlib.nullcontext(mp_forkserver.ForkServer()),
@@ -149,6 +153,9 @@ def test_private_name_exists(target, name, kind, used_in, breaks):
         pytest.skip(f"{target.split('.')[0]} is not installed here")
     attr, params = _split(name)
     obj = _resolve(target)
+    if sys.version_info >= REMOVED.get((target, attr), (99,)):
+        assert not hasattr(obj, attr), f"{target}.{attr} is back from Python {sys.version_info[:2]}: drop REMOVED's row"
+        return
     if (target, attr) in IN_SOURCE:
         module, needle = IN_SOURCE[target, attr]
         assert needle in inspect.getsource(importlib.import_module(module)), f"{module} no longer uses {needle}"

@@ -53,7 +53,7 @@ from ._context import default_context as _default_context
 _LAZY = {
     **dict.fromkeys(("ProcessContext", "ProcessException", "ProcessExitedException", "ProcessRaisedException",
                      "SpawnContext", "spawn", "start_processes"), "mp_spawn"),
-    "ProcessPoolExecutor": "mp_reductions",
+    "ProcessPoolExecutor": "arraymp._executor",
 }
 
 # Every public name of multiprocessing, then ours over it (the stdlib's own
@@ -67,7 +67,6 @@ if TYPE_CHECKING:  # what the two updates above make, spelled out for type check
     # the classes, as typeshed's: `q: mp.Queue[int] = mp.Queue()`
     from mp_reductions import (  # noqa: F401
         JoinableQueue,
-        ProcessPoolExecutor,  # noqa: F401
         Queue,
         SimpleQueue,
     )
@@ -80,6 +79,8 @@ if TYPE_CHECKING:  # what the two updates above make, spelled out for type check
         spawn,
         start_processes,
     )
+
+    from ._executor import ProcessPoolExecutor  # noqa: F401
 
     Pipe = _default_context.Pipe
     Pool = _default_context.Pool

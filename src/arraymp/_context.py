@@ -1,5 +1,6 @@
 """Contexts: the stdlib's, with our Queue / SimpleQueue / JoinableQueue / Pipe / Pool
-and ProcessPoolExecutor (adapts multiprocessing/context.py; the Pool and the executor are mp_reductions').
+and ProcessPoolExecutor (adapts multiprocessing/context.py; the Pool and the executor are mp_reductions', the
+executor defaulting to our context: arraymp._executor).
 
 Every factory is a lazy method, as in the stdlib; ``get_context(method)``
 returns our context for that start method, and ``get_context("dask", ...)``
@@ -22,7 +23,9 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
     from mp_dask import DaskContext
-    from mp_reductions import Connection, JoinableQueue, Pool, ProcessPoolExecutor, Queue, SimpleQueue
+    from mp_reductions import Connection, JoinableQueue, Pool, Queue, SimpleQueue
+
+    from arraymp import ProcessPoolExecutor  # (arraymp._executor's, which imports this module)
 
 
 def _interrupt(self: mp_process.BaseProcess) -> None:
@@ -75,9 +78,9 @@ class _ArrayContext:
     def ProcessPoolExecutor(self, max_workers: int | None = None, initializer: Callable[..., object] | None = None,
                             initargs: Iterable[Any] = (), max_tasks_per_child: int | None = None, *,
                             shared_results: bool = True, task_timeout: float | None = None) -> ProcessPoolExecutor:
-        from mp_reductions import ProcessPoolExecutor
+        import arraymp  # (its ProcessPoolExecutor, arraymp._executor's, imports this module)
 
-        return ProcessPoolExecutor(max_workers, self.get_context(), initializer, initargs,
+        return arraymp.ProcessPoolExecutor(max_workers, self.get_context(), initializer, initargs,
                                    max_tasks_per_child=max_tasks_per_child, shared_results=shared_results,
                                    task_timeout=task_timeout)
 

@@ -12,10 +12,10 @@ SMALL_SHM = 1 << 30  # below 1 GiB /dev/shm is small for array work (docker's de
 
 
 def _memfd_ok() -> bool:
-    from shm_core import _native
+    import shm_core
 
     try:
-        os.close(_native.memfd_create("arraymp-doctor"))
+        os.close(shm_core.memfd_create("arraymp-doctor"))
     except OSError:
         return False
     return True

@@ -17,7 +17,7 @@ import mp_reductions as mpr
 import numpy as np
 import pytest
 import shm_core
-from mp_reductions import _shared
+from mp_reductions import _arrays, _shared
 
 
 def _segments(arrays) -> set:
@@ -160,7 +160,7 @@ def test_an_old_array_past_the_budget_goes_shared_as_a_spawn_argument(strategy, 
 
 @pytest.mark.parametrize("size", [1 << 15, 1 << 17])
 def test_creator_keeps_hundreds_of_segments_under_ulimit_64(strategy, size):
-    if strategy == "file_descriptor" and size > _shared.ARENA_ITEM_MAX and not _budget_targets.can_reopen_mappings():
+    if strategy == "file_descriptor" and size > _arrays.ARENA_ITEM_MAX and not _budget_targets.can_reopen_mappings():
         pytest.skip("300 segments of their own under ulimit -n 64: sending the oldest re-opens it from "
                     "/proc/self/map_files, which this process may not (CAP_CHECKPOINT_RESTORE)")
     # defect 3: one descriptor per live segment; stopped at 59 arrays under ulimit -n 64

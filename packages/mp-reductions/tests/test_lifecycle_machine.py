@@ -42,7 +42,7 @@ from _budget_targets import can_reopen_mappings
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from mp_reductions import _shared
+from mp_reductions import _arrays
 
 MiB = 1 << 20
 PAGE = 4096
@@ -107,7 +107,7 @@ class Memory:
 
     def released(self) -> int:
         """What its mapping may cost after being let go, until the recycler's idle time passes."""
-        return _shared.ARENA_SIZE + PAGE if self.kind in ARENA_KINDS else self.footprint()
+        return _arrays.ARENA_SIZE + PAGE if self.kind in ARENA_KINDS else self.footprint()
 
 
 class Machine(RuleBasedStateMachine):
@@ -215,8 +215,8 @@ class Machine(RuleBasedStateMachine):
         now = time.monotonic()
         mids = set(self.held[h].values())
         creators = {self.pid(h)} | {self.memory[m].creator for m in mids if self.memory[m].kind in ARENA_KINDS}
-        arenas = sum(1 + self.arena_used.get(c, 0) // _shared.ARENA_SIZE for c in creators)
-        return (SLACK + sum(self.memory[m].footprint() for m in mids) + arenas * (_shared.ARENA_SIZE + PAGE)
+        arenas = sum(1 + self.arena_used.get(c, 0) // _arrays.ARENA_SIZE for c in creators)
+        return (SLACK + sum(self.memory[m].footprint() for m in mids) + arenas * (_arrays.ARENA_SIZE + PAGE)
                 + sum(size for t, size in self.let_go[h] if now - t < LINGER))
 
     def describe(self, h, key) -> str:
@@ -371,7 +371,7 @@ class Machine(RuleBasedStateMachine):
             time.sleep(0.05)
         assert not left, f"segments left in /dev/shm: {sorted(left)}"
         # the current arena may stay, to serve the next small array
-        assert len(maps) <= 1 and sum(maps.values()) <= _shared.ARENA_SIZE + PAGE, (
+        assert len(maps) <= 1 and sum(maps.values()) <= _arrays.ARENA_SIZE + PAGE, (
             f"arraymp mappings left in the test process: {maps}")
         assert fds <= self.fds_before + DAEMON, f"descriptors: {self.fds_before} before, {fds} after"
 

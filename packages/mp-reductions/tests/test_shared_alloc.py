@@ -256,10 +256,11 @@ def private(*args, fill=0.0):
 
 
 def mpr_native():
+    import shm_core
     from mp_reductions import _alloc
 
     _alloc._install()
-    return _alloc._native
+    return shm_core
 
 
 def private_segment(a):

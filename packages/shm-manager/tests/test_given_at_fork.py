@@ -117,8 +117,8 @@ def test_a_child_that_claims_and_releases_gives_back_once(tmp_path, monkeypatch)
 
 
 def test_a_segment_its_maker_died_making_is_removed(tmp_path, monkeypatch):
-    # the name and the count are told first (mp_reductions _shared._create); the maker is killed with the file made
-    # but no header in it
+    # the name and the count are told first (mp_reductions _shared.create_segment); the maker is killed with the file
+    # made but no header in it
     monkeypatch.setenv("ARRAYMP_SHM_DIR", str(tmp_path))
     d = str(tmp_path)
     named_r, named_w = os.pipe()

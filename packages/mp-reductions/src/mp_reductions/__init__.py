@@ -22,6 +22,7 @@ pickled.
 from typing import TYPE_CHECKING
 
 from ._alloc import set_shared_allocation, shared_allocation
+from ._arrays import empty_shared, message_copies, share_memory, zeros_shared
 from ._chunks import executor_map
 from ._connection import Connection, Pipe
 from ._deaths import RSS_INTERVAL, OomCounter, explain, resident
@@ -44,7 +45,7 @@ from ._pool import (
 )
 from ._progress import isatty, progress_bar, track_progress
 from ._queues import JoinableQueue, Queue, SimpleQueue
-from ._recycle import copies_lost, message_copies
+from ._recycle import copies_lost
 from ._reductions import (
     counts_kept,
     give_back_counts,
@@ -53,7 +54,7 @@ from ._reductions import (
     rebuild_ndarray,
     reduce_ndarray,
 )
-from ._shared import empty_shared, is_shared, share_memory, zeros_shared
+from ._shared import is_shared
 from ._stats import SharingStoppedWarning, Stats, count, stats
 from ._stats import read as read_stats
 from ._strategy import (

@@ -2,7 +2,7 @@
 
 numpy lets an extension choose where array data lives: a data-memory handler,
 chosen per context (a ``contextvars`` variable: per thread, per asyncio task).
-shm_core's handler (C, ``_native.shared_handler``) asks this module for a
+shm_core's handler (C, ``shm_core.shared_handler``) asks this module for a
 segment for every allocation of ``THRESHOLD`` bytes or more and hands smaller
 ones to numpy's default handler. An array whose data lies in a segment can
 travel as a handle, with no copy, so a Pool worker's fresh result is never
@@ -101,7 +101,6 @@ import sys
 
 import numpy as np
 import shm_core
-from shm_core import _native
 
 from . import _recycle, _shared
 from ._shared import BORN_PRIVATE, BORN_SHARED, PRIVATIZED
@@ -265,7 +264,7 @@ def _movable(arr: np.ndarray, elsewhere: set) -> bool:
 def _install() -> None:
     global _installed
     if not _installed:
-        _native.set_allocator(THRESHOLD, _shared.owned, _take, _give)
+        shm_core.set_allocator(THRESHOLD, _shared.owned, _take, _give)
         _installed = True
 
 
@@ -276,13 +275,13 @@ def shared_allocation():
     and tasks are untouched. Off under the ``file_system`` strategy. The arrays stay shared after the block;
     a fork child shares them with its parent (its writes are seen), as ``empty_shared`` arrays."""
     _install()
-    old = _native.swap_handler(_native.shared_handler)
+    old = shm_core.swap_handler(shm_core.shared_handler)
     token = _private.set(False)
     try:
         yield
     finally:
         _private.reset(token)
-        _native.swap_handler(old)
+        shm_core.swap_handler(old)
 
 
 def set_shared_allocation(on: bool, *, private: bool = False) -> None:
@@ -296,7 +295,7 @@ def set_shared_allocation(on: bool, *, private: bool = False) -> None:
     child gets it copy-on-write; ``is_shared`` is false."""
     if on:
         _install()
-    old = _native.swap_handler(_native.shared_handler if on else None)
-    if not on and old is not _native.shared_handler:
-        _native.swap_handler(old)
+    old = shm_core.swap_handler(shm_core.shared_handler if on else None)
+    if not on and old is not shm_core.shared_handler:
+        shm_core.swap_handler(old)
     _private.set(bool(on and private))

@@ -367,11 +367,11 @@ def _spill_recycled(out: Outgoing, payload) -> tuple[bytes, Outgoing] | None:
     and its Outgoing, or None where shared memory is full."""
     raws = [buf.raw() for buf in out.buffers]
     length = len(payload)
-    table = _shared._aligned(SPILL_AT + length)
-    entries, end = [], _shared._aligned(table + _ENTRY.size * len(raws))
+    table = _shared.aligned(SPILL_AT + length)
+    entries, end = [], _shared.aligned(table + _ENTRY.size * len(raws))
     for raw in raws:
         entries.append((end, raw.nbytes))
-        end = _shared._aligned(end + raw.nbytes)
+        end = _shared.aligned(end + raw.nbytes)
     seg = payload.seg if type(payload) is _InSegment else None
     if seg is None or seg.size < end:
         try:

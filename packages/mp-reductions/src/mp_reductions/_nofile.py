@@ -16,7 +16,9 @@ its own (``ulimit -S -n``); ``subprocess``, ``os.posix_spawn*`` and multiprocess
 launches fork in C, so they run under the old limit, lowered and raised again by C calls chained with no Python
 between them, the GIL held: subprocess then forks instead of vforking (which releases the GIL until the child
 execs) or posix_spawning (its file actions name its new pipes, past the old limit). A thread inside a system
-call meanwhile may be refused a descriptor; our receives then try again.
+call meanwhile may be refused a descriptor; our receives then try again. From Python 3.14 subprocess has no
+switch for vfork (gh-121381 removed ``_USE_VFORK``): it vforks, so other threads run until the child execs, and
+one of theirs that opens a descriptor past the old limit then may be refused it (our receives try again).
 
 Not covered (the raised limit is kept): ``os.posix_spawn`` with a file action naming a descriptor past the old
 limit (glibc refuses it under that limit), a call through a reference to these functions taken before the limit was
@@ -154,7 +156,8 @@ def _wrap_exec() -> None:
     # subprocess's file actions for posix_spawn name the pipes it just made, past the old limit (EBADF); and its vfork
     # lets every thread run while the child execs (the GIL released, Note [open-files limit]): fork, holding it
     subprocess._USE_POSIX_SPAWN = False  # type: ignore[misc]  # (Final in typeshed)
-    subprocess._USE_VFORK = False  # type: ignore[misc]
+    if hasattr(subprocess, "_USE_VFORK"):  # (gone in 3.14, gh-121381: subprocess vforks where it can)
+        subprocess._USE_VFORK = False  # type: ignore[misc]
     for module, name, wrap in EXEC_CALLS:
         call = getattr(module, name, None)
         if call is not None and not hasattr(call, "_arraymp_wrapped"):

@@ -44,16 +44,16 @@ the oldest go first), and both go at once when memory runs out, and at exit.
 from __future__ import annotations
 
 import collections
-import contextlib
+import errno
 import os
 import threading
 import time
 
 import numpy as np
 import shm_core
+import shm_manager
 
 from . import _shared, _stats
-from ._strategy import get_sharing_strategy
 
 REFS = shm_core.VIEWS_OFFSET  # messages in flight + processes with views (Note [recycling])
 IDLE = float(os.environ.get("ARRAYMP_RECYCLE_IDLE", "1.0"))
@@ -66,7 +66,7 @@ def keep_bytes() -> int:
     """The bytes each of the pool and the kept mappings may hold: kept segments hold memory (tmpfs pages are
     memory) that no array uses, so a bound in bytes and not only in time (IDLE): KEEP_MAX, or 1/KEEP_SHARE of
     the machine's memory, the smaller. (A full shm dir needs no bound here: a segment that does not fit gives
-    the pool back first, _shared.new_segment.) Read once."""
+    the pool back first, new_segment.) Read once."""
     global _keep_bytes
     if _keep_bytes is None:
         try:
@@ -134,38 +134,29 @@ def take(nbytes: int, named: bool = False, zero: bool = False) -> shm_core.Segme
         except OSError:
             pass
     # a segment that does not fit gives this pool back and is tried again (new_segment)
-    return _shared.new_segment(nbytes, "file_system" if named else "file_descriptor")
+    return new_segment(nbytes, "file_system" if named else "file_descriptor")
 
 
-@contextlib.contextmanager
-def message_copies():
-    """For a message that leaves by another transport (Dask's comms), under the file_system strategy:
-    yields ``copy(arr)``, a shared copy of ``arr`` (its layout kept) for the message to carry as a handle
-    (``reduce_ndarray``). A small one goes into an arena block; a large one into a recycled segment, back
-    to the pool when the block ends and taken again once that message was received and its last view
-    dropped (Note [recycling]). Pickle the message inside the block."""
-    if get_sharing_strategy() != "file_system":
-        raise RuntimeError("message_copies() makes named segments, which cross any transport: call "
-                           "set_sharing_strategy('file_system') first")
-    copies: list[shm_core.Segment] = []
-
-    def copy(arr):
-        order = "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C"
-        if arr.nbytes <= _shared.ARENA_ITEM_MAX:
-            out = _shared.empty_shared(arr.shape, arr.dtype, order)
-        else:
-            seg = take(arr.nbytes, named=True)
-            copies.append(seg)
-            strides = None if order == "C" else _shared._f_strides(arr.shape, arr.itemsize)
-            out = seg.ndarray(arr.shape, arr.dtype, 0, strides)
-        np.copyto(out, arr, casting="no")
-        return out
-
+def new_segment(size: int, strategy: str | None = None, name: str | None = None) -> shm_core.Segment:
+    """A fresh segment of ``size`` data bytes under the current (or given) strategy (file_system: ``name``,
+    from shm_manager.new_name(), or a new one). Where it does not fit, the segments this process keeps for
+    reuse are given back and it is tried again: they never make a new array fail. (A named one goes when its
+    daemon has taken the last count back: the tries go on for up to a second.)"""
     try:
-        yield copy
-    finally:
-        for seg in copies:
-            sent(seg)
+        return _shared.create_segment(size, strategy, name)
+    except shm_core.SharedMemoryFullError as exc:
+        if exc.errno == errno.EFBIG or not release_all():  # (the file-size limit: no room to make)
+            raise
+    shm_manager.flush()
+    deadline, delay = time.monotonic() + 1.0, 0.005
+    while True:
+        try:
+            return _shared.create_segment(size, strategy, name)
+        except shm_core.SharedMemoryFullError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(2 * delay, 0.1)
 
 
 def take_named(min_bytes: int) -> shm_core.Segment | None:

@@ -77,7 +77,7 @@ import numpy as np
 import shm_core
 import shm_manager
 
-from . import _alloc, _recycle, _shared, _stats
+from . import _alloc, _arrays, _recycle, _shared, _stats
 from ._byvalue import reduce_process
 from ._strategy import get_inline_threshold, get_sharing_strategy
 
@@ -182,7 +182,7 @@ class Outgoing:
         self.arrays_copied += 1
         self.bytes_copied += arr.nbytes
         offset = self._copy_size
-        self._copy_size = _shared._aligned(offset + arr.nbytes)
+        self._copy_size = _shared.aligned(offset + arr.nbytes)
         self._copies.append((arr, offset))
         if self._copy_ref is None:
             if get_sharing_strategy() == "file_system":
@@ -209,7 +209,7 @@ class Outgoing:
             return None
         if entry[1] is None:
             try:
-                entry[1] = _shared.shared_copy(arr)
+                entry[1] = _arrays.shared_copy(arr)
             except OSError:  # shared memory full: a copy in each message, as before
                 return None
         return entry[1]
@@ -254,7 +254,7 @@ class Outgoing:
         if kind == "n":
             seg = self.recycled
             if seg is None:
-                seg = self.recycled = _shared.new_segment(self._copy_size, "file_system", name=self._copy_ref[1])
+                seg = self.recycled = _recycle.new_segment(self._copy_size, "file_system", name=self._copy_ref[1])
             elif seg.size < self._copy_size:
                 raise CopyMiss
             else:
@@ -424,7 +424,7 @@ def reduce_ndarray(arr: np.ndarray):
         return _inline(arr)
     rebuild = rebuild_ndarray
     if found is None:
-        shared = ctx.input_copy(arr) if outgoing else _shared.shared_copy(arr)  # (``readonly`` was read before)
+        shared = ctx.input_copy(arr) if outgoing else _arrays.shared_copy(arr)  # (``readonly`` was read before)
         if shared is None:
             ref, offset = ctx.copy_ref(arr)
             # size None: the message's segment grows while the message is pickled

@@ -45,7 +45,7 @@ one handle's segment serve thousands of arrays. Each block starts with a
 
 A block's count is, like the recycling word (``_recycle`` Note [recycling]),
 the number of processes holding a view of the block plus the messages in
-flight naming it. A process views a block through one ``_block_base`` array
+flight naming it. A process views a block through one ``block_base`` array
 (counted once when made, given back when it dies, inherited and counted again
 by a fork child), and every array over the block is a view of that base; a
 sender counts each array handle it sends, its receiver gives that back once
@@ -64,39 +64,25 @@ it, is not reused; its arena goes when every process has unmapped it.
 from __future__ import annotations
 
 import collections
-import errno
 import mmap
 import os
 import resource
 import threading
-import time
 import weakref
-from collections.abc import Sequence
 from multiprocessing import util
-from typing import TYPE_CHECKING, Any, Literal, SupportsIndex, TypeVar
 
 import numpy as np
 import shm_core
 import shm_manager  # before our at-fork hook: a fork child gets its own daemon connection first
-from shm_manager import _paths as shm_manager_paths
 
 from . import _nofile, _stats
 from ._strategy import get_sharing_strategy
 
-if TYPE_CHECKING:
-    from numpy.typing import DTypeLike, NDArray
-
-_T = TypeVar("_T")
-
 ALIGN = 64
-ARENA_SIZE = 4 << 20
-ARENA_ITEM_MAX = 64 << 10
 ARENA_MARK = 0x414E4552_41504D41  # "AMPAREN A" in the header's user word: this segment is an arena
 BLOCK_HEAD = ALIGN  # a block's count word and size word (Note [arenas])
-MAX_ARENAS = 4
 BUDGET_MAX = 1 << 18  # memfd descriptors kept open at most (Note [descriptors])
 BUDGET_RESERVE = 4096  # descriptors left to the rest of the program under a large limit (Note [descriptors])
-_REUSE_TRIES = 8
 _HDR = shm_core.HEADER_SIZE
 _VIEWS = shm_core.VIEWS_OFFSET  # the views word (_recycle.REFS)
 
@@ -140,6 +126,8 @@ class _Table:
 _table = _Table()
 # (segment key, block) -> weakref of this process's base array of an arena block (Note [arenas])
 _blocks: dict = {}
+# (segment id, block, size) of blocks whose view in this process is gone: candidates for the allocator's reuse
+dropped_blocks: collections.deque = collections.deque()
 
 
 # Note [fork]: a fork child inherits every mapping, view and array of its parent, and
@@ -215,7 +203,7 @@ def _after_fork_in_parent() -> None:
         new = _thread_children() - _fork_children
         if len(new) == 1:
             (pid,) = new
-            start = shm_manager_paths.start_time(pid)
+            start = shm_manager.start_time(pid)
             if start is not None:
                 shm_manager.give(pid, start, [(seg.name, seg.dir) for seg in named])
 
@@ -230,11 +218,12 @@ def _thread_children() -> frozenset:
 
 
 def _after_fork_in_child():
-    global _arenas, _fork_counted
-    # Same segments, fresh lock; the parent's arenas must not be carved twice;
-    # the counts taken before the fork are this child's (Note [fork]).
+    global _fork_counted
+    # Same segments, fresh lock; the parent's arenas must not be carved twice (_arrays makes the child a fresh
+    # allocator, and the blocks dropped here are the parent's to reuse); the counts taken before the fork are this
+    # child's (Note [fork]).
     _table.lock = threading.Lock()
-    _arenas = _Arenas()
+    dropped_blocks.clear()
     counted, _fork_counted = _fork_counted, ((), (), ())
     now = _held()
     gone = tuple(c - h for c, h in zip(counted, now, strict=True))  # dropped by another thread before the fork
@@ -317,31 +306,10 @@ def fd_key(fd: int) -> tuple:
     return ("f", *shm_core.file_id(fd))
 
 
-def new_segment(size: int, strategy: str | None = None, name: str | None = None) -> shm_core.Segment:
-    """A fresh segment of ``size`` data bytes under the current (or given) strategy (file_system: ``name``,
-    from shm_manager.new_name(), or a new one). Where it does not fit, the segments this process keeps for
-    reuse (_recycle) are given back and it is tried again: they never make a new array fail. (A named one
-    goes when its daemon has taken the last count back: the tries go on for up to a second.)"""
-    try:
-        return _create(size, strategy, name)
-    except shm_core.SharedMemoryFullError as exc:
-        from . import _recycle  # (it imports this module)
-
-        if exc.errno == errno.EFBIG or not _recycle.release_all():  # (the file-size limit: no room to make)
-            raise
-    shm_manager.flush()
-    deadline, delay = time.monotonic() + 1.0, 0.005
-    while True:
-        try:
-            return _create(size, strategy, name)
-        except shm_core.SharedMemoryFullError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(delay)
-            delay = min(2 * delay, 0.1)
-
-
-def _create(size: int, strategy: str | None, name: str | None) -> shm_core.Segment:
+def create_segment(size: int, strategy: str | None = None, name: str | None = None) -> shm_core.Segment:
+    """A fresh segment of ``size`` data bytes under the current (or given) strategy (file_system: ``name``, from
+    shm_manager.new_name(), or a new one); SharedMemoryFullError where it does not fit (_recycle.new_segment
+    gives back the segments kept for reuse first)."""
     if (strategy or get_sharing_strategy()) == "file_system":
         # The daemon hears of the name and of our count before the file exists: killed anywhere from here on, its
         # give-back removes a segment no one else has seen (in the other order, the count or the file would stay).
@@ -371,98 +339,11 @@ def _create(size: int, strategy: str | None, name: str | None) -> shm_core.Segme
     return seg
 
 
-class _Arena:
-    """One arena of this process's allocator: its bump pointer and the blocks it may hand out again."""
-
-    __slots__ = ("seg", "used", "starts", "free", "queued")
-
-    def __init__(self, seg: shm_core.Segment):
-        self.seg = weakref.ref(seg)  # alive while any of its arrays is, or the recycler keeps it (Note [arenas])
-        self.used = 0
-        self.starts = bytearray(seg.size // ALIGN)  # 1 where a block of this arena starts
-        self.free: dict[int, collections.deque] = {}  # data size -> blocks whose local view is gone
-        self.queued: set[int] = set()
-
-    def carve(self, seg: shm_core.Segment, size: int) -> int | None:
-        block = self.used
-        if block + BLOCK_HEAD + size > seg.size:
-            return None
-        self.used += BLOCK_HEAD + size
-        self.starts[block // ALIGN] = 1
-        seg.store(_HDR + block + 8, size)
-        seg.store(_HDR + block, 1)  # this process's view; nobody else can reach a fresh block
-        return block
-
-    def reuse(self, seg: shm_core.Segment, size: int) -> int | None:
-        """A block of ``size`` that no process views and no message names, taken (count 0 -> 1)."""
-        q = self.free.get(size)
-        for _ in range(min(len(q), _REUSE_TRIES) if q else 0):
-            block = q.popleft()
-            if seg.compare_exchange(_HDR + block, 0, 1)[0]:
-                self.queued.discard(block)
-                return block
-            q.append(block)  # still viewed somewhere, or in flight
-        return None
-
-    def dropped(self, block: int, size: int) -> None:
-        """This process's view of ``block`` is gone: a candidate for reuse."""
-        if block < self.used and self.starts[block // ALIGN] and block not in self.queued:
-            self.queued.add(block)
-            self.free.setdefault(size, collections.deque()).append(block)
-
-
-class _Arenas:
-    """This process's allocator of small shared arrays (Note [arenas])."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.strategy = None
-        self.arenas: dict[int, _Arena] = {}  # header id -> arena, oldest first
-        self.dropped: collections.deque = collections.deque()  # (header id, block, size), see _block_gone
-
-    def alloc(self, nbytes: int) -> tuple[shm_core.Segment, int, int] | None:
-        """``(segment, block, size)`` of a block of at least ``nbytes``; None when no arena fits in memory."""
-        size = _aligned(max(nbytes, 1))
-        strategy = get_sharing_strategy()
-        with self.lock:
-            if strategy != self.strategy:
-                self.arenas.clear()  # the others' arenas go with their arrays
-                self.strategy = strategy
-            while self.dropped:
-                ident, block, bsize = self.dropped.popleft()
-                arena = self.arenas.get(ident)
-                if arena is not None:
-                    arena.dropped(block, bsize)
-            newest = None
-            for ident, arena in reversed(list(self.arenas.items())):
-                seg = arena.seg()
-                if seg is None:
-                    del self.arenas[ident]
-                    continue
-                newest = newest or (arena, seg)
-                block = arena.reuse(seg, size)
-                if block is not None:
-                    return seg, block, size
-            block = newest[0].carve(newest[1], size) if newest else None
-            if block is not None:
-                return newest[1], block, size
-            try:
-                seg = new_segment(ARENA_SIZE)
-            except shm_core.SharedMemoryFullError:
-                return None
-            seg.store(shm_core.USER_OFFSET, ARENA_MARK)
-            arena = self.arenas[seg.id] = _Arena(seg)
-            if len(self.arenas) > MAX_ARENAS:
-                del self.arenas[next(iter(self.arenas))]  # it goes when no process views it
-            return seg, arena.carve(seg, size), size
-
-
-_arenas = _Arenas()
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 util.register_after_fork(_table, lambda table: _ensure_exit_hook(again=True))
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
     return (n + ALIGN - 1) & ~(ALIGN - 1)
 
 
@@ -471,10 +352,10 @@ def _block_gone(seg: shm_core.Segment, block: int, size: int, key, ref) -> None:
         return  # given back at exit (_release_all)
     del _blocks[key]
     seg.fetch_add(_HDR + block, -1)
-    _arenas.dropped.append((seg.id, block, size))  # taken up by the allocator, under its lock
+    dropped_blocks.append((seg.id, block, size))  # taken up by the allocator (_arrays), under its lock
 
 
-def _block_base(seg: shm_core.Segment, block: int, size: int, *, counted: bool) -> np.ndarray:
+def block_base(seg: shm_core.Segment, block: int, size: int, *, counted: bool) -> np.ndarray:
     """This process's base array over an arena block's data (``counted``: the caller counted it)."""
     key = (seg.key, block)
     ref = _blocks.get(key)
@@ -505,67 +386,7 @@ def block_view(seg: shm_core.Segment, block) -> np.ndarray:
     if not 0 < size <= seg.size - block - BLOCK_HEAD or size % ALIGN:
         raise shm_core.SegmentError(f"arena block {block} claims {size} bytes, past its {seg.size}-byte arena "
                                     "(forged or corrupted handle)")
-    return _block_base(seg, block, size, counted=False)
-
-
-def _nbytes(shape, dtype) -> tuple[tuple, np.dtype, int]:
-    dtype = np.dtype(dtype)
-    if dtype.hasobject:
-        raise TypeError(f"arrays of dtype {dtype} hold Python objects and cannot live in shared memory")
-    shape = (shape,) if np.isscalar(shape) else tuple(int(n) for n in shape)
-    return shape, dtype, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-
-
-def empty_shared(shape: SupportsIndex | Sequence[SupportsIndex], dtype: DTypeLike = float,
-                 order: Literal["C", "F"] = "C") -> NDArray[Any]:
-    """A new uninitialised array in shared memory (like ``numpy.empty``)."""
-    shape, dtype, nbytes = _nbytes(shape, dtype)
-    if order not in ("C", "F"):
-        raise ValueError(f"order must be 'C' or 'F', got {order!r}")
-    strides = None if order == "C" else _f_strides(shape, dtype.itemsize)
-    got = _arenas.alloc(nbytes) if nbytes <= ARENA_ITEM_MAX else None
-    if got is not None:
-        seg, block, size = got
-        from . import _recycle  # (it imports this module)
-
-        _recycle.received(seg)  # the arena outlives its arrays while in use (Note [arenas])
-        return np.ndarray(shape, dtype, buffer=_block_base(seg, block, size, counted=True), strides=strides)
-    from . import _alloc  # (it imports this module)
-
-    if nbytes >= _alloc.THRESHOLD and get_sharing_strategy() == "file_descriptor":
-        # Born shared (_alloc Note [shared allocation]), in a recycled segment, already faulted in, that goes back
-        # to the pool when numpy frees the array, as a shared_allocation() array's does. A new segment per array
-        # instead faulted in fresh pages on every write of a batch pipeline (a third of the speed), and each
-        # receiver kept one dead segment per batch mapped for a second (1.3 GiB in the issue's run).
-        with _alloc.shared_allocation():
-            arr = np.empty(shape, dtype, order)
-        if segment_of(arr) is not None:
-            return arr
-    # large, or no arena fits in memory: a segment of the array's own size (its error names what was asked)
-    return new_segment(nbytes).ndarray(shape, dtype, 0, strides)
-
-
-def shared_copy(arr: np.ndarray) -> np.ndarray:
-    """A new shared array (under the current strategy) holding a copy of ``arr``, its order kept."""
-    out = empty_shared(arr.shape, arr.dtype, "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C")
-    np.copyto(out, arr, casting="no")
-    return out
-
-
-def zeros_shared(shape: SupportsIndex | Sequence[SupportsIndex], dtype: DTypeLike = float,
-                 order: Literal["C", "F"] = "C") -> NDArray[Any]:
-    """A new zero-filled array in shared memory (like ``numpy.zeros``)."""
-    arr = empty_shared(shape, dtype, order)
-    arr.fill(0)
-    return arr
-
-
-def _f_strides(shape, itemsize):
-    strides, step = [], itemsize
-    for n in shape:
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(strides)
+    return block_base(seg, block, size, counted=False)
 
 
 # ------------------------------------------------------------------------ finding
@@ -608,69 +429,6 @@ def block_of(arr: np.ndarray, seg: shm_core.Segment) -> int | None:
 def is_shared(arr: object) -> bool:
     """True when ``arr`` is a view of shared memory (sending it sends no copy)."""
     return isinstance(arr, np.ndarray) and segment_of(arr) is not None
-
-
-def share_memory(obj: _T) -> _T:
-    """``obj`` with its arrays in shared memory: an array, or a dict / list / tuple of them (nested).
-
-    Arrays already shared are kept as they are; all the others are copied,
-    packed into one segment (one mapping, one descriptor however many arrays),
-    which is how a model's parameters should be shared before starting workers.
-    A dict or a list is updated in place (each unshared array in it replaced by
-    its shared copy) and returned, so the originals go once nothing else holds
-    them; a tuple or a lone array cannot be: a new one is returned, and the
-    caller must drop its own reference to the original (``params =
-    share_memory(params)``), or the program holds both copies.
-    """
-    todo = []
-    _collect(obj, todo)
-    if not todo:
-        return obj
-    offsets, total = {}, 0
-    for a in todo:
-        if id(a) not in offsets:
-            offsets[id(a)], total = total, _aligned(total + a.nbytes)
-    seg = new_segment(total)
-    copies = {}
-    for a in todo:
-        if id(a) not in copies:
-            order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
-            dst = seg.ndarray(a.shape, a.dtype, offsets[id(a)], _f_strides(a.shape, a.itemsize)
-                              if order == "F" else None)
-            np.copyto(dst, a, casting="no")
-            copies[id(a)] = dst
-    return _rebuild(obj, copies)
-
-
-# Module functions, not closures: a recursive closure is a reference cycle that would keep the copies (and
-# so the segment) alive until the next garbage collection.
-def _collect(o, todo: list) -> None:
-    if type(o) is np.ndarray and not o.dtype.hasobject and segment_of(o) is None:
-        todo.append(o)
-    elif isinstance(o, dict):
-        for v in o.values():
-            _collect(v, todo)
-    elif isinstance(o, (list, tuple)):
-        for v in o:
-            _collect(v, todo)
-
-
-def _rebuild(o, copies: dict):
-    """``o`` with ``copies`` in place of its arrays: dicts and lists updated in place, tuples new."""
-    if type(o) is np.ndarray:
-        return copies.get(id(o), o)
-    if isinstance(o, dict):
-        for k, v in o.items():
-            o[k] = _rebuild(v, copies)  # (values replaced, no key added: the iteration holds)
-        return o
-    if isinstance(o, list):
-        o[:] = [_rebuild(v, copies) for v in o]
-        return o
-    if isinstance(o, tuple) and hasattr(o, "_fields"):
-        return type(o)(*(_rebuild(v, copies) for v in o))
-    if isinstance(o, tuple):
-        return type(o)(_rebuild(v, copies) for v in o)
-    return o
 
 
 # ---------------------------------------------------------------------- attaching

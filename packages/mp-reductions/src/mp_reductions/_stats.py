@@ -156,7 +156,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 def _gauges(pid: int | str) -> dict[str, int]:
     """Segments ``pid`` maps (ours: memfd ones and named ones) and memfd segment descriptors it holds, from
     /proc (Note [stats])."""
-    from shm_manager import _paths
+    import shm_manager
 
     segments = set()
     with open(f"/proc/{pid}/maps") as f:
@@ -167,7 +167,7 @@ def _gauges(pid: int | str) -> dict[str, int]:
             path = parts[5].rstrip("\n")
             if path.endswith(" (deleted)"):
                 path = path[:-10]
-            if path == _SEGMENT_LINK[:-10] or (path.startswith("/") and _paths.parse(os.path.basename(path))):
+            if path == _SEGMENT_LINK[:-10] or (path.startswith("/") and shm_manager.parse_name(os.path.basename(path))):
                 segments.add((parts[3], parts[4]))  # device, inode: one segment however many mappings
     fds = 0
     for link in _fd_links(pid):

@@ -15,7 +15,17 @@ if sys.implementation.name != "cpython":  # pragma: no cover
                       f"packages above it CPython's multiprocessing); this is {sys.implementation.name}")
 
 from ._fds import check_headroom, recv_fds, recv_many, send_fds
-from ._native import Mapping, address, array_from, file_id, pack_array
+from ._native import (
+    Mapping,
+    address,
+    array_from,
+    file_id,
+    memfd_create,
+    pack_array,
+    set_allocator,
+    shared_handler,
+    swap_handler,
+)
 from ._segment import (
     DEFAULT_PREFIX,
     HEADER_SIZE,
@@ -55,13 +65,17 @@ __all__ = [
     "create",
     "create_anonymous",
     "file_id",
+    "memfd_create",
     "pack_array",
     "parse_name",
     "recv_fds",
     "recv_many",
     "segment_name",
     "send_fds",
+    "set_allocator",
+    "shared_handler",
     "shm_dir",
+    "swap_handler",
     "unlink",
 ]
 

@@ -29,7 +29,8 @@ from ._client import (
 )
 from ._gc import gc, list_segments, stats
 from ._group import current_group, group, join_group, member, new_name
-from ._paths import runtime_dir
+from ._paths import parse as parse_name
+from ._paths import runtime_dir, start_time
 
 __all__ = [
     "claim",
@@ -46,10 +47,12 @@ __all__ = [
     "list_segments",
     "member",
     "new_name",
+    "parse_name",
     "register",
     "release",
     "runtime_dir",
     "send_to",
+    "start_time",
     "stats",
     "take_back",
     "take_from",

@@ -27,21 +27,22 @@ from . import _client, _gc, _group, _paths
 def _at_exit() -> None:
     """Note [End of a group]."""
     st = _group._state
-    if st.pid != os.getpid() or not st.root:
+    group = st.token
+    if st.pid != os.getpid() or not st.root or group is None:
         return
     still_held = _client.held()  # referenced here at exit (a module-level array): removed, but no leak
     held, st.locks = st.locks, {}
     for fd, _rdir in held.values():
         os.close(fd)
-    locks = {shm: got for (shm, token), got in held.items() if token == st.token}
+    locks = {shm: got for (shm, token), got in held.items() if token == group}
     # also the default dir where only children (leaving by os._exit) were members
     default = os.path.abspath(shm_core.shm_dir())
     for shm in {**locks, default: None}:
         try:
-            rdir = locks[shm][1] if shm in locks else _paths.runtime_dir(shm, create=False, group=st.token)
+            rdir = locks[shm][1] if shm in locks else _paths.runtime_dir(shm, create=False, group=group)
             dfd = _gc.open_dir(shm)
             try:
-                _gc.end_group(st.token, rdir, dfd, held=still_held)
+                _gc.end_group(group, rdir, dfd, held=still_held)
             finally:
                 os.close(dfd)
         except Exception:  # exiting anyway; the next program's sweep removes what is left

@@ -120,7 +120,8 @@ class _State:
         self.running: dict[int, _Call] = {}  # job -> its call
         self.core: Core | None = None  # made at the first submit
         self.shutdown = False
-        self.broken: str | None = None  # the message of BrokenProcessPool for a later submit
+        self.broken: str | None = None  # the message of BrokenProcessPool for a later submit ...
+        self.cause: BaseException | None = None  # ... and its cause: what broke it
         self.closer: threading.Thread | None = None
         _live.add(self)
 
@@ -148,7 +149,9 @@ class _State:
         with self.lock:
             core = self.core
             if self.broken or (core is not None and core.slots.broken is not None):
-                raise BrokenProcessPool(self.broken or _BROKEN)
+                error = BrokenProcessPool(self.broken or _BROKEN)
+                error.__cause__ = self.cause or (core.slots.broken if core is not None else None)
+                raise error
             if self.shutdown:
                 raise RuntimeError("cannot schedule new futures after shutdown")
             if _global_shutdown:
@@ -222,7 +225,7 @@ class _State:
         with self.lock:
             if self.broken or (call is not None and call._job not in self.running):
                 return
-            self.broken = message
+            self.broken, self.cause = message, cause
             self.shutdown = True
             doomed = [c.future for c in self.running.values()] + [item[0] for item in self.pending]
             jobs = list(self.running)

@@ -136,7 +136,8 @@ class ResultHandler:
         self.started: set[int] = set()
         self.start_errors: dict[int, BaseException] = {}
         self.start_failures = 0  # slots Note [start failures]
-        self.pending: collections.deque = collections.deque()  # taken, not opened yet (_channel Note [opening])
+        # taken, not opened yet (_channel Note [opening named segments])
+        self.pending: collections.deque = collections.deque()
         self.waiter = select.poll()
         for fd in (self.reader.fileno(), self.short.fileno()):
             self.waiter.register(fd, select.POLLIN)

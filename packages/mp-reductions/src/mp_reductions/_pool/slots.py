@@ -98,7 +98,8 @@ class Slots:
         result = self.cache.get(job)
         inputs = self.cache.inputs.setdefault(job, {}) if getattr(result, "once_per_call", False) else None
         head = pickle.dumps((job, i))
-        packet = Packet(task, head=head, inputs=inputs)  # may raise: the task's error (_reductions Note [inputs])
+        # may raise: the task's error (_reductions Note [inputs once per call])
+        packet = Packet(task, head=head, inputs=inputs)
         weight = 1 if packet.plain else BATCH_MAX
         with self.lock:
             while not self.closed and self.broken is None and self.weight >= self.ready_max:
