@@ -1,4 +1,23 @@
 import numpy as np
+import shm_core
+
+
+def segment_under(a: np.ndarray) -> shm_core.Segment | None:
+    """The segment ``a`` views (it came with no pickled copy): shared, or its receiver's own (mp_reductions' _shared
+    Note [own arrays]); None for process memory."""
+    while isinstance(a, np.ndarray):
+        a = a.base
+    a = getattr(a, "obj", a)
+    return a if isinstance(a, shm_core.Segment) else None
+
+
+def via_shared_memory(a: np.ndarray) -> bool:
+    return segment_under(a) is not None
+
+
+def segment_key(a: np.ndarray):
+    seg = segment_under(a)
+    return None if seg is None else seg.key
 
 
 def double(x):

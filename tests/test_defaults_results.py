@@ -5,6 +5,7 @@ the worker gave up entirely moves with no copy (mp_reductions _alloc Note [movin
 mp.ProcessPoolExecutor and the joblib backend, under fork, spawn and forkserver."""
 
 import _defaults as D
+import _work
 import pytest
 
 import arraymp as mp
@@ -64,22 +65,15 @@ def test_joblib_results_are_snapshots(method):
         arraymp.joblib.shutdown()
 
 
-def segment_key(a):
-    from mp_reductions import _shared
-
-    found = _shared.segment_of(a)
-    return None if found is None else found[0].key
-
-
 def test_fresh_results_still_move_without_a_copy_and_kept_ones_are_copied(method):
     with mp.get_context(method).Pool(1) as pool:
         for a, where in pool.map(D.fresh, range(3)):
-            assert where is not None and segment_key(a) == where  # the worker's own segment: no copy
+            assert where is not None and _work.segment_key(a) == where  # the worker's own segment: no copy
         [views], where = pool.apply(D.fresh_views, (5,))
-        assert segment_key(views["row"]) == segment_key(views["col"]) == where
+        assert _work.segment_key(views["row"]) == _work.segment_key(views["col"]) == where
         assert (views["row"] == 5).all() and (views["col"] == 5).all()
         kept, where = pool.apply(D.kept_view, (6,))
-        assert where is not None and segment_key(kept) != where and (kept == 6).all()  # a copy
+        assert where is not None and _work.segment_key(kept) != where and (kept == 6).all()  # a copy
         kept[:] = -1
         again, _ = pool.apply(D.kept_view, (6,))
         assert (again == 6).all()

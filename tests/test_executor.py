@@ -32,6 +32,7 @@ RETIRING = """
 import concurrent.futures, faulthandler, json, os, sys
 import numpy as np
 import arraymp as mp
+import _work
 import test_executor as t
 
 method, max_tasks, wait = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "wait"
@@ -48,7 +49,8 @@ if pending:
     for p in list(workers.values()):
         p.kill()
     os._exit(3)
-out = [(float(r.min()), float(r.max()), r.shape[0], mp.is_shared(r), pid) for r, pid in (f.result() for f in futures)]
+out = [(float(r.min()), float(r.max()), r.shape[0], _work.via_shared_memory(r), pid)
+       for r, pid in (f.result() for f in futures)]
 ex.shutdown()
 print(json.dumps({"start_method": ex._mp_context.get_start_method(), "results": out}))
 """
@@ -96,6 +98,7 @@ def test_queued_work_runs_after_shutdown_without_wait():
 AT_EXIT = """
 import sys
 import arraymp as mp
+import _work
 import test_executor as t
 
 ex = mp.ProcessPoolExecutor(2, mp_context=mp.get_context(sys.argv[1]))
@@ -158,7 +161,8 @@ def test_arrays_as_arguments_and_results(method):
     xs = [np.full(N, i, np.float64) for i in range(6)]  # 128 KiB each
     with mp.ProcessPoolExecutor(2, mp_context=mp.get_context(method)) as ex:
         got = list(ex.map(_work.double, xs, timeout=120))
-        assert all((g == 2 * x).all() and g.shape == x.shape and mp.is_shared(g) for g, x in zip(got, xs, strict=True))
+        assert all((g == 2 * x).all() and g.shape == x.shape and _work.via_shared_memory(g)
+                   for g, x in zip(got, xs, strict=True))
         shared = mp.zeros_shared((N,), np.float64)
         shared[:] = 3
         assert (ex.submit(_work.double, shared).result(timeout=120) == 6).all()
@@ -195,7 +199,8 @@ def test_results_are_snapshots_with_shared_results_or_without(method):
             got = list(ex.map(_work.result_kept, range(4)))
             got[2][:] = -1
             assert ex.submit(_work.kept_value, 2).result(timeout=60) == 2.0
-            assert [float(a[0]) for a in got] == [0.0, 1.0, -1.0, 3.0] and all(mp.is_shared(a) for a in got)
+            assert [float(a[0]) for a in got] == [0.0, 1.0, -1.0, 3.0]
+            assert all(_work.via_shared_memory(a) and not mp.is_shared(a) for a in got)  # the caller's own
     with mp.get_context(method).ProcessPoolExecutor(1, shared_results=False, initializer=_work.set_env,
                                                     initargs=("ARRAYMP_T", "1")) as ex:  # the initializer still runs
         assert ex.submit(_work.get_env, "ARRAYMP_T").result(timeout=60) == "1"
@@ -429,17 +434,10 @@ def test_done_callbacks_may_submit_and_many_small_calls_complete(method):
         assert [f.result(TIMEOUT) for f in fs] == [2 * i for i in range(5_000)]
 
 
-def segment_key(a):
-    from mp_reductions import _shared
-
-    found = _shared.segment_of(a)
-    return None if found is None else found[0].key
-
-
 @pytest.mark.parametrize("method", METHODS)
 def test_fresh_big_results_move_without_a_copy(method):
     import _defaults as D
 
     with mp.ProcessPoolExecutor(1, mp_context=mp.get_context(method)) as ex:
         for a, where in [ex.submit(D.fresh, i).result(TIMEOUT) for i in range(3)] + list(ex.map(D.fresh, range(3))):
-            assert where is not None and segment_key(a) == where  # the worker's own segment: no copy
+            assert where is not None and _work.segment_key(a) == where  # the worker's own segment: no copy

@@ -94,7 +94,7 @@ def test_pool_moves_arrays_like_serial(method):
     with mp.get_context(method).Pool(2) as pool:
         got = pool.map(_work.double, [np.full(50_000, i, np.float64) for i in range(8)])
         assert [float(g[0]) for g in got] == [2.0 * i for i in range(8)]
-        assert all(mp.is_shared(g) for g in got)  # results came back through shared memory
+        assert all(_work.via_shared_memory(g) and not mp.is_shared(g) for g in got)  # by shared memory, own
         assert [r[0][0, 0] for r in pool.imap(_work.make, range(6))] == list(range(6))
         assert pool.apply_async(_work.double, (np.ones(3),)).get(30).tolist() == [2, 2, 2]
     pool.join()

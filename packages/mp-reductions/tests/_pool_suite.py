@@ -16,6 +16,7 @@ import mp_reductions as mpr
 import numpy as np
 import pytest
 import shm_manager
+from _views import via_shared_memory
 from mp_reductions import _stats
 from mp_reductions._pool import wire, worker
 
@@ -151,9 +152,9 @@ class PoolSuite:
             assert pool.apply_async(T.square, (9,)).get(TIMEOUT) == 81
             arrays = [np.full(50_000, i, np.float64) for i in range(6)]
             doubled = pool.map(T.double, arrays)
-            assert all((d == 2 * a).all() and mpr.is_shared(d) for d, a in zip(doubled, arrays, strict=True))
+            assert all((d == 2 * a).all() and via_shared_memory(d) for d, a in zip(doubled, arrays, strict=True))
             bigs = list(pool.imap(T.big, range(4)))
-            assert [float(b[0, 0]) for b in bigs] == [0, 1, 2, 3] and all(mpr.is_shared(b) for b in bigs)
+            assert [float(b[0, 0]) for b in bigs] == [0, 1, 2, 3] and all(via_shared_memory(b) for b in bigs)
             with pytest.raises(ValueError, match="bad 3"):
                 pool.apply(T.fail, (3,))
             errors = []
@@ -570,7 +571,7 @@ class PoolSuite:
             pool.close()
             pool.join()
             assert sorted(float(r[0][0, 0]) for r in results) == list(range(n))
-            assert all(mpr.is_shared(a) for r in results for a in r)
+            assert all(via_shared_memory(a) for r in results for a in r)
             alive = count()
             assert alive == n, f"{alive} segments for {n} result messages of 5 arrays each"
             if strategy_name == "file_system":  # the workers' segments are the parent's group's, not theirs

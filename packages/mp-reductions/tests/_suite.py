@@ -10,6 +10,7 @@ import _targets
 import mp_reductions as mpr
 import numpy as np
 import pytest
+from _views import via_shared_memory
 
 
 class QueueSuite:
@@ -52,7 +53,7 @@ class QueueSuite:
         p.join(30)
         assert p.exitcode == 0
         assert [int(a[0]) for a in got] == list(range(1000))
-        assert all(mpr.is_shared(a) and a.shape == (10_000,) for a in got)
+        assert all(via_shared_memory(a) and a.shape == (10_000,) for a in got)
 
     def test_hogwild_updates_in_place(self, ctx, strategy):
         params = mpr.share_memory({"w": np.zeros(10), "b": np.zeros(4)})

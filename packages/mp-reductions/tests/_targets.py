@@ -6,6 +6,7 @@ import time
 
 import mp_reductions as mpr
 import numpy as np
+from _views import via_shared_memory
 
 
 def fill_from_queue(q, done, value):
@@ -92,7 +93,7 @@ def send_shared_many(q, n, strategy):
 def get_and_report(q, out, hold=0.0):
     mpr.init_reductions()
     x = q.get(timeout=30)
-    out.put((os.getpid(), float(x.sum()), bool(mpr.is_shared(x))))
+    out.put((os.getpid(), float(x.sum()), via_shared_memory(x)))  # (a copy is the receiver's own: not is_shared)
     time.sleep(hold)  # still holding x
 
 

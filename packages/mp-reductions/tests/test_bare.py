@@ -8,6 +8,7 @@ import mp_reductions as mpr
 import numpy as np
 import pytest
 import shm_core
+from _views import via_shared_memory
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mp_reductions import _channel, _recycle, _shared
@@ -194,7 +195,7 @@ def test_the_inline_threshold_decides_for_bare_arrays_too():
     try:
         q = mpr.Queue()
         q.put(a)
-        assert mpr.is_shared(q.get(timeout=10))  # every non-empty array by shared memory, as pickled ones
+        assert via_shared_memory(q.get(timeout=10))  # every non-empty array by shared memory, as pickled ones
         q.close()
     finally:
         mpr.set_inline_threshold(64 * 1024)

@@ -198,10 +198,11 @@ class Machine(RuleBasedStateMachine):
         for key, new_key in zip(keys, new_keys, strict=True):
             mid = self.held[src][key]
             sent = self.memory[mid]
-            if not sent.shared:  # a copy: new memory, made by the sender; a view of shared memory if not inline
+            if not sent.shared:  # a copy: new memory, made by the sender, the receiver's own (a copy again when
+                # sent on: mp_reductions._shared Note [own arrays])
                 self.let_go[src].append((time.monotonic(), sent.footprint()))  # the pooled copy segment
                 mid = next(self.ids)
-                self.memory[mid] = Memory(sent.value, sent.kind, self.pid(src), targets.nbytes(sent.kind) >= THRESHOLD)
+                self.memory[mid] = Memory(sent.value, sent.kind, self.pid(src), False)
             self.held[dst][new_key] = mid
             self.received[dst].append(new_key)
             if drop:

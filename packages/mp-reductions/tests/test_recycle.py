@@ -10,8 +10,8 @@ import _recycle_targets
 import mp_reductions as mpr
 import numpy as np
 import pytest
+from _views import segment_under
 from mp_reductions import _recycle, _shared
-from mp_reductions._shared import segment_of
 
 
 def memfd_mappings():
@@ -61,17 +61,17 @@ def test_recycled_segment_is_reused_and_arrives_mapped(strategy):
     q = mpr.Queue()
     a = np.arange(100_000.0)
     q.put(a)
-    first = segment_of(q.get(timeout=5))[0]
+    first = segment_under(q.get(timeout=5))
     q.put(a * 2)
     second = q.get(timeout=5)
-    assert segment_of(second)[0] is first  # the first array is gone: its segment came round, mapped
+    assert segment_under(second) is first  # the first array is gone: its segment came round, mapped
     del second
     seen = set()
     for i in range(20):
         q.put(a + i)
         got = q.get(timeout=5)
         assert got[1] == 1 + i
-        seen.add(id(segment_of(got)[0]))
+        seen.add(id(segment_under(got)))
         del got
     assert len(seen) <= 2  # the same one or two segments went round
 
@@ -83,7 +83,7 @@ def test_a_held_array_is_never_reused(strategy):
         q.put(np.full(50_000, i, np.float64))
         kept.append(q.get(timeout=5))
     assert [int(k[0]) for k in kept] == list(range(10)) and all((k == i).all() for i, k in enumerate(kept))
-    assert len({id(segment_of(k)[0]) for k in kept}) == 10
+    assert len({id(segment_under(k)) for k in kept}) == 10
 
 
 def test_a_pooled_named_segment_too_small_for_the_message_is_not_used():
@@ -93,7 +93,7 @@ def test_a_pooled_named_segment_too_small_for_the_message_is_not_used():
     try:
         q = mpr.Queue()
         q.put(np.zeros(20_000))
-        small = segment_of(q.get(timeout=5))[0]
+        small = segment_under(q.get(timeout=5))
         small_name = small.name
         del small
         assert any(seg.name == small_name for seg, _, _ in _recycle._state.pool)  # the candidate a first copy takes
@@ -101,7 +101,7 @@ def test_a_pooled_named_segment_too_small_for_the_message_is_not_used():
         q.put(msg)
         got = q.get(timeout=5)
         assert (got[0] == 1).all() and (got[1] == 2).all()
-        assert segment_of(got[0])[0].name != small_name and segment_of(got[0])[0].size >= 8 * 220_000
+        assert segment_under(got[0]).name != small_name and segment_under(got[0]).size >= 8 * 220_000
     finally:
         mpr.set_sharing_strategy("file_descriptor")
 
@@ -160,13 +160,13 @@ def test_a_segment_held_longer_than_idle_comes_round_again():
     q = mpr.Queue()
     q.put(np.arange(100_000.0))
     held = q.get(timeout=5)
-    first = segment_of(held)[0]
+    first = segment_under(held)
     time.sleep(_recycle.IDLE + 0.6)
     assert any(seg is first for seg, _, _ in _recycle._state.pool)
     del held
     q.put(np.arange(100_000.0) * 2)
     again = q.get(timeout=5)
-    assert segment_of(again)[0] is first and again[1] == 2
+    assert segment_under(again) is first and again[1] == 2
     time.sleep(_recycle.BUSY_IDLES * _recycle.IDLE + 0.6)  # ``again`` is held all along
     assert not any(seg is first for seg, _, _ in _recycle._state.pool)
     assert again[1] == 2 and (again == np.arange(100_000.0) * 2).all()
@@ -239,7 +239,7 @@ def test_message_copies_are_recycled_only_once_received_and_dropped():
         def message(value, order="C"):
             with mpr.message_copies() as copy:
                 c = copy(np.full((256, 512), value, np.float64, order=order))  # 1 MiB: a recycled segment
-                name = segment_of(c)[0].name
+                name = segment_under(c).name
                 assert c.flags.f_contiguous == (order == "F") and c.flags.writeable
                 return name, bytes(ForkingPickler.dumps(c))
 
@@ -260,7 +260,7 @@ def test_message_copies_are_recycled_only_once_received_and_dropped():
         parent.send(("sums", None, None))
         assert parent.recv() == {2: 2.0 * 256 * 512, 3: 3.0 * 256 * 512, 4: 4.0 * 256 * 512}
         with mpr.message_copies() as copy:  # small arrays go into an arena block, not a segment of their own
-            assert segment_of(copy(np.ones(100)))[0].size >= 1 << 20
+            assert segment_under(copy(np.ones(100))).size >= 1 << 20
         parent.send(None)
         p.join(30)
         assert p.exitcode == 0

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import shm_core
 from _budget_targets import can_reopen_mappings
+from _views import segment_under, via_shared_memory
 from mp_reductions._reductions import rebuild_ndarray
 from mp_reductions._shared import segment_of
 
@@ -44,7 +45,8 @@ def test_dtypes_roundtrip(dtype, kind, strategy):
     # every path keeps the dtype exactly, byte order included (numpy's own pickle of '>i4' gives '<i4')
     assert b.dtype == a.dtype and b.dtype.str == a.dtype.str and b.shape == a.shape
     assert b.tobytes() == a.tobytes()
-    assert mpr.is_shared(b) == (kind != "inline")
+    # by shared memory unless inline; shared only where the sender's was (a copy is the receiver's own)
+    assert via_shared_memory(b) == (kind != "inline") and mpr.is_shared(b) == (kind == "shared")
 
 
 @pytest.mark.parametrize("make", [
@@ -75,7 +77,7 @@ def test_unshared_large_arrays_of_one_message_share_one_segment(strategy):
     arrays = [np.full(50_000, i, np.float32) for i in range(5)]
     got = roundtrip(arrays)
     assert [int(g[0]) for g in got] == list(range(5))
-    assert len({id(segment_of(g)[0]) for g in got}) == 1
+    assert len({id(segment_under(g)) for g in got}) == 1
     got[0][0] = 99
     assert arrays[0][0] == 0  # a copy was sent
 
@@ -83,10 +85,10 @@ def test_unshared_large_arrays_of_one_message_share_one_segment(strategy):
 def test_small_arrays_travel_inline_like_the_stdlib():
     a = np.arange(10)
     assert pickle.loads(pickle.dumps(a)).tolist() == roundtrip(a).tolist()
-    assert not mpr.is_shared(roundtrip(a))
+    assert not via_shared_memory(roundtrip(a))
     mpr.set_inline_threshold(0)
     try:
-        assert mpr.is_shared(roundtrip(a))
+        assert via_shared_memory(roundtrip(a)) and not mpr.is_shared(roundtrip(a))  # a copy, the receiver's own
     finally:
         mpr.set_inline_threshold(64 * 1024)
     with pytest.raises(ValueError):

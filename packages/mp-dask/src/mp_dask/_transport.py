@@ -171,11 +171,12 @@ class _Pickler(cloudpickle.Pickler):
     def reducer_override(self, obj):
         if type(obj) is np.ndarray and not obj.dtype.hasobject:
             if self.copy is not None and obj.nbytes >= max(self.threshold, 1):
-                if _named_segment(obj) is None:  # a memfd one cannot cross TCP: copied like any other
+                own = _named_segment(obj) is None
+                if own:  # a memfd one cannot cross TCP: copied like any other, the receiver's own
                     obj = self.copy(obj)
                     self.copies.append(_named_segment(obj))
                 _count(handles_sent=1)
-                return reduce_ndarray(obj)
+                return reduce_ndarray(obj, own=own)
             if self.counted:
                 _count(inband_array_bytes=obj.nbytes)
         return super().reducer_override(obj)

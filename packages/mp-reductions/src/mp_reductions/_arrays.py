@@ -171,7 +171,7 @@ def empty_shared(shape: SupportsIndex | Sequence[SupportsIndex], dtype: DTypeLik
 
 def shared_copy(arr: np.ndarray) -> np.ndarray:
     """A new shared array (under the current strategy) holding a copy of ``arr``, its order kept."""
-    out = empty_shared(arr.shape, arr.dtype, "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C")
+    out = empty_shared(arr.shape, arr.dtype, copy_order(arr))
     np.copyto(out, arr, casting="no")
     return out
 
@@ -190,6 +190,21 @@ def _f_strides(shape, itemsize):
         strides.append(step)
         step *= max(n, 1)
     return tuple(strides)
+
+
+# Note [copies keep their order]: a copy of an unshared array (into a message's segment, a shared copy, a transport's
+# copy, share_memory's) has the memory order pickle gives the array, so the receiver sees the stdlib's layout:
+# Fortran order where the array is Fortran-contiguous and not C-contiguous (numpy's reduction tells exactly those
+# apart), C order for every other (a non-contiguous view arrives C-contiguous, as from pickle). ``ravel('K')``,
+# ``tobytes('A')`` and a buffer handed to Fortran code then see the sender's data in the sender's order.
+def copy_order(arr: np.ndarray) -> Literal["C", "F"]:
+    """The order of ``arr``'s copy (Note [copies keep their order])."""
+    return "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C"
+
+
+def copy_strides(arr: np.ndarray) -> tuple | None:
+    """The strides of ``arr``'s copy: None for C order (Note [copies keep their order])."""
+    return _f_strides(arr.shape, arr.itemsize) if copy_order(arr) == "F" else None
 
 
 def share_memory(obj: _T) -> _T:
@@ -216,9 +231,7 @@ def share_memory(obj: _T) -> _T:
     copies = {}
     for a in todo:
         if id(a) not in copies:
-            order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
-            dst = seg.ndarray(a.shape, a.dtype, offsets[id(a)], _f_strides(a.shape, a.itemsize)
-                              if order == "F" else None)
+            dst = seg.ndarray(a.shape, a.dtype, offsets[id(a)], copy_strides(a))
             np.copyto(dst, a, casting="no")
             copies[id(a)] = dst
     return _rebuild(obj, copies)
@@ -268,14 +281,12 @@ def message_copies():
     copies: list[shm_core.Segment] = []
 
     def copy(arr):
-        order = "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C"
         if arr.nbytes <= ARENA_ITEM_MAX:
-            out = empty_shared(arr.shape, arr.dtype, order)
+            out = empty_shared(arr.shape, arr.dtype, copy_order(arr))
         else:
             seg = _recycle.take(arr.nbytes, named=True)
             copies.append(seg)
-            strides = None if order == "C" else _f_strides(arr.shape, arr.itemsize)
-            out = seg.ndarray(arr.shape, arr.dtype, 0, strides)
+            out = seg.ndarray(arr.shape, arr.dtype, 0, copy_strides(arr))
         np.copyto(out, arr, casting="no")
         return out
 

@@ -22,6 +22,7 @@ import numpy as np
 import shm_core
 
 from . import _recycle, _shared, _stats
+from ._arrays import copy_order
 from ._reductions import Outgoing, _received, reduce_ndarray
 from ._strategy import get_inline_threshold
 
@@ -81,7 +82,7 @@ def encode(arr: np.ndarray) -> tuple[bytes, Outgoing] | None:
     if found is None:
         if n and (n >= get_inline_threshold() or n > BARE_MAX):
             return None  # a copy into shared memory
-        if arr.flags.f_contiguous and not arr.flags.c_contiguous:
+        if copy_order(arr) == "F":
             flags |= FORTRAN
         return shm_core.pack_array(b"A", arr, code, flags, True), _Inline(n)
     seg, offset = found

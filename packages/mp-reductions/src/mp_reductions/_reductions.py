@@ -100,7 +100,7 @@ class Outgoing:
     told: list[shm_core.Segment] = ()  # named segments whose in-flight counts it told to ``to`` (Note [results told])
     to: int | None = None  # the reader it goes to, when told (tls.to)
     _index: dict[int, int] = None
-    _copies: list[tuple[np.ndarray, int]] = ()
+    _copies: list[tuple[np.ndarray, int, tuple | None]] = ()
     _copy_size = 0
     _copy_ref = None
     recycled: shm_core.Segment | None = None  # the message's copy segment, back to the pool once sent
@@ -176,14 +176,17 @@ class Outgoing:
         else:
             seg.incref()
 
-    def copy_ref(self, arr: np.ndarray) -> tuple[tuple, int]:
+    def copy_ref(self, arr: np.ndarray) -> tuple[tuple, int, tuple | None]:
+        """(segment reference, offset, strides: None for C order) of ``arr``'s copy in the message's segment, made
+        by ``finish``; in Fortran order where pickle would give it (Note [copies keep their order])."""
         self._start()
         self.arrays += 1
         self.arrays_copied += 1
         self.bytes_copied += arr.nbytes
         offset = self._copy_size
         self._copy_size = _shared.aligned(offset + arr.nbytes)
-        self._copies.append((arr, offset))
+        strides = _arrays.copy_strides(arr)
+        self._copies.append((arr, offset, strides))
         if self._copy_ref is None:
             if get_sharing_strategy() == "file_system":
                 # the name goes into the pickle now, the size is known at finish(): a pooled segment
@@ -194,7 +197,7 @@ class Outgoing:
             else:
                 self._copy_ref = ("c", len(self.fds))
                 self.fds.append(-1)  # filled by finish()
-        return self._copy_ref, offset
+        return self._copy_ref, offset, strides
 
     def input_copy(self, arr: np.ndarray) -> np.ndarray | None:
         """The shared copy of ``arr`` made for this message's call, when the call sent ``arr`` before (made now, at
@@ -262,8 +265,8 @@ class Outgoing:
         else:
             seg = self.recycled = _recycle.take(self._copy_size)
             self.fds[self._copy_ref[1]] = _shared.fd_for_sending(seg, dup=True)
-        for arr, offset in self._copies:
-            np.copyto(seg.ndarray(arr.shape, arr.dtype, offset), arr, casting="no")
+        for arr, offset, strides in self._copies:
+            np.copyto(seg.ndarray(arr.shape, arr.dtype, offset, strides), arr, casting="no")
         self._copies.clear()
         if kind == "n":  # counted once made and filled; this process holds it for its pool
             self._count_named(seg)  # in flight, see _shared Note [named segments]
@@ -396,8 +399,9 @@ def _readonly(arr: np.ndarray) -> bool:
     return not arr.flags.writeable
 
 
-def reduce_ndarray(arr: np.ndarray):
-    """The reduction of a numpy array (registered for ``numpy.ndarray`` itself)."""
+def reduce_ndarray(arr: np.ndarray, own: bool = False):
+    """The reduction of a numpy array (registered for ``numpy.ndarray`` itself). ``own``: ``arr`` is a copy made for
+    this message (a transport's: ``message_copies``), its receiver's own (_shared Note [own arrays])."""
     ctx = tls.ctx
     if type(ctx) is Outgoing and arr.base is None and arr.nbytes < get_inline_threshold() \
             and (not _shared.owned or arr.nbytes < _alloc.THRESHOLD) and not arr.dtype.hasobject:
@@ -410,8 +414,10 @@ def reduce_ndarray(arr: np.ndarray):
     found = _shared.segment_of(arr)
     readonly = _readonly(arr)
     outgoing = isinstance(ctx, Outgoing)
+    rebuild = rebuild_ndarray
     if found is None and outgoing and id(arr) in ctx.moves:  # _alloc Note [moving results]
         found = _shared.segment_of(arr, _shared.BORN_PRIVATE)
+        rebuild = rebuild_own  # the receiver's own (_shared Note [own arrays])
     popen = None if outgoing else mp_context.get_spawning_popen()
     if found is not None and not outgoing and popen is None and not found[0].name:
         found = None  # a memfd on a channel we do not own: copied as an unshared array (Note [channels we do not own])
@@ -422,15 +428,14 @@ def reduce_ndarray(arr: np.ndarray):
         # pickle, as the stdlib sends it
         _count_inline(ctx if outgoing else None, arr.nbytes)
         return _inline(arr)
-    rebuild = rebuild_ndarray
     if found is None:
         shared = ctx.input_copy(arr) if outgoing else _arrays.shared_copy(arr)  # (``readonly`` was read before)
         if shared is None:
-            ref, offset = ctx.copy_ref(arr)
+            ref, offset, strides = ctx.copy_ref(arr)
             # size None: the message's segment grows while the message is pickled
-            return rebuild_ndarray, (ref, None, offset, arr.shape, None, _dtype(arr.dtype), readonly)
-        if outgoing:
-            rebuild = rebuild_own_copy  # each task its own copy, as from the stdlib's pickle
+            return rebuild_own, (ref, None, offset, arr.shape, strides, _dtype(arr.dtype), readonly)
+        # each task its own copy, as from the stdlib's pickle; a launch's copy is the child's own
+        rebuild = rebuild_own_copy if outgoing else rebuild_own
         arr = shared
         found = _shared.segment_of(arr)
         c = _stats.counts
@@ -441,6 +446,8 @@ def reduce_ndarray(arr: np.ndarray):
     else:
         ctx.arrays += 1
         ctx.n_handles += 1
+    if own:
+        rebuild = rebuild_own
     seg, offset = found
     strides = None if arr.flags.c_contiguous else arr.strides
     if seg.name:
@@ -483,7 +490,7 @@ def _count_inline(out: Outgoing | None, nbytes: int) -> None:
 def _inline(arr: np.ndarray) -> tuple:
     if arr.flags.writeable and arr.dtype.isnative:  # numpy's own, as the stdlib sends it (Note [small arrays])
         return arr.__reduce__()
-    order = "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C"
+    order = _arrays.copy_order(arr)
     return rebuild_inline, (arr.tobytes(order), _dtype(arr.dtype), arr.shape, order, _readonly(arr))
 
 
@@ -681,6 +688,12 @@ def _check_extent(size: int, offset: int, shape, strides, itemsize: int) -> None
         raise shm_core.SegmentError(f"array handle out of bounds: offset {offset}, shape {tuple(shape)}, strides "
                                     f"{tuple(strides)} span bytes [{lo}, {hi}) of a {size}-byte segment "
                                     "(forged or corrupted handle)")
+
+
+def rebuild_own(ref, size, offset, shape, strides, dtype, readonly, block=None):
+    """Rebuild an array its sender copied into shared memory for the message, or moved: a view of the segment, as
+    this process's own (_shared Note [own arrays])."""
+    return _shared.own(rebuild_ndarray(ref, size, offset, shape, strides, dtype, readonly, block))
 
 
 def rebuild_ndarray(ref, size, offset, shape, strides, dtype, readonly, block=None):

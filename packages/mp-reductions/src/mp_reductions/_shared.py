@@ -191,6 +191,7 @@ _fork_children: frozenset = frozenset()  # the forking thread's children before 
 
 def _before_fork() -> None:
     global _fork_counted, _fork_children
+    _privatize_own()  # (Note [own arrays]: what the child must get copy-on-write counts nothing)
     _fork_counted = _held()
     _count(_fork_counted, 1)
     _fork_children = _thread_children() if _fork_counted[1] else frozenset()
@@ -397,14 +398,68 @@ owned: dict[int, tuple[int, memoryview, int]] = {}
 BORN_SHARED, BORN_PRIVATE, PRIVATIZED = 0, 1, 2
 
 
+# Note [own arrays]
+# ~~~~~~~~~~~~~~~~~
+# Invariant: an array this process received as a copy (an unshared array its sender copied into a segment for the
+# message, a launch or a transport) or as a moved result (_alloc Note [moving results]) is this process's own, as
+# the stdlib's unpickling would make it: ``segment_of`` does not see it (nor any view of it), so sending it on sends
+# a copy, and a fork child gets it copy-on-write; only memory the program shared on purpose (empty_shared,
+# share_memory, shared_allocation, and what arrives from those) travels as a handle. Why: such an array is a view
+# of a segment no other process writes, but a handle to it would let the next receiver write into it (a Pool
+# result handed to a later task came back changed). How: the receiver's rebuild (``own``) records the buffer
+# export at the root of the array's bases (a memoryview of the segment, made for that array or arena block: numpy
+# collapses chains of array bases, so no marker array could stay between), and ``segment_of`` stops at one it
+# finds recorded; sending it again costs one copy, as the stdlib's pickle does. Before a fork (``_before_fork``,
+# ahead of the counts of Note [fork]) each segment under a live own export is moved into private memory at the
+# same address, as _alloc privatizes born-private allocations (a named one gives its count back first, through the
+# file: this process's views word, given back by the move, keeps the segment from reuse until then), so the child
+# inherits it copy-on-write and counts nothing. Not covered, shared with a fork child: an own array in an arena block
+# (a lowered inline threshold: the arena may hold shared blocks too), and one whose copy found no memory.
+_own: dict[int, weakref.ref] = {}  # id -> the root exports of own arrays alive in this process
+
+
+def own(arr: np.ndarray) -> np.ndarray:
+    """``arr`` (a view of a received segment) as this process's own array (Note [own arrays])."""
+    root = arr
+    while isinstance(root, np.ndarray):
+        root = root.base
+    if not isinstance(root, memoryview):  # (never: every rebuild views a memoryview) a private copy is never wrong
+        return arr.copy(order="K")
+    key = id(root)
+    _own[key] = weakref.ref(root, lambda _, key=key: _own.pop(key, None))  # (called before the id is free)
+    return arr
+
+
+def _privatize_own() -> None:
+    """Before a fork: the segments under live own arrays into private memory (Note [own arrays])."""
+    for ref in list(_own.values()):
+        view = ref()
+        seg = None if view is None else view.obj
+        if not isinstance(seg, shm_core.Segment) or seg.closed or getattr(seg, "privatized", False) or is_arena(seg):
+            continue
+        if seg.name:  # its count goes back through the file while it is mapped here (the views word still keeps it)
+            hook, seg.release_hook = seg.release_hook, None
+            if hook is not None:
+                hook(seg)
+        try:
+            seg.privatize()
+        except OSError:  # no memory for the copy: the child shares it (uncounted, as its view keeps it)
+            continue
+        seg.privatized = True  # (its own arrays stay recorded: still no handle to send)
+        forget(seg)
+
+
 def segment_of(arr: np.ndarray, born: int = BORN_SHARED) -> tuple[shm_core.Segment, int] | None:
-    """The segment ``arr`` views (or, numpy's own data, lies in) and the byte offset of its first element, or None.
-    ``born``: the kind of handler allocation that counts (a BORN_PRIVATE one is a plain array's memory except to a
-    message that moves it, _alloc Note [moving results])."""
+    """The segment ``arr`` views (or, numpy's own data, lies in) and the byte offset of its first element, or None
+    (also for this process's own arrays: Note [own arrays]). ``born``: the kind of handler allocation that counts
+    (a BORN_PRIVATE one is a plain array's memory except to a message that moves it, _alloc Note [moving
+    results])."""
     base = owner = arr
     while isinstance(base, np.ndarray):
         owner, base = base, base.base
     if isinstance(base, memoryview):
+        if _own and id(base) in _own:  # Note [own arrays]
+            return None
         base = base.obj
     if isinstance(base, shm_core.Segment):
         return base, shm_core.address(arr) - base.address - _HDR

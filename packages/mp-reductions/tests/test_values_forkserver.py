@@ -1,0 +1,5 @@
+from _values_suite import ValuesSuite
+
+
+class TestValuesForkServer(ValuesSuite):
+    method = "forkserver"
