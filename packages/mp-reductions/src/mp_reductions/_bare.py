@@ -21,9 +21,10 @@ from multiprocessing.reduction import ForkingPickler
 import numpy as np
 import shm_core
 
-from . import _recycle, _shared, _stats
+from . import _attach, _recycle, _shared, _stats
 from ._arrays import copy_order
-from ._reductions import Outgoing, _received, reduce_ndarray
+from ._message import Outgoing, _received
+from ._reductions import reduce_ndarray
 from ._strategy import get_inline_threshold
 
 # Note [bare arrays]: a message that is one array goes bare when reduce_ndarray would send it as the only
@@ -48,7 +49,7 @@ from ._strategy import get_inline_threshold
 # its counts, as a pickled handle's. The caches here hold dtypes only (a fork child's are as good as its
 # parent's).
 _HANDLE = struct.Struct("<cqqq")
-BARE_MAX = 64 * 1024 - 1024  # _channel.INLINE less the largest header (255 dtype bytes, 64 dimensions)
+BARE_MAX = 64 * 1024 - 1024  # _pickling.INLINE less the largest header (255 dtype bytes, 64 dimensions)
 READONLY, FORTRAN, STRIDES = 1, 2, 4
 BARE_KINDS = b"AB"  # a bare message's first byte: its bytes, its handle
 _A, _B = BARE_KINDS
@@ -109,7 +110,7 @@ class _Handle:
     buffers = ()  # never out-of-band ones
 
     def __init__(self, seg: shm_core.Segment, block: int | None):
-        self.fds = [_shared.fd_for_sending(seg, dup=True)]  # (raises when it cannot be re-opened: nothing taken)
+        self.fds = [_attach.fd_for_sending(seg, dup=True)]  # (raises when it cannot be re-opened: nothing taken)
         self.keep, self.block = [seg], block
         seg.fetch_add(_recycle.REFS, 1)
         if block is not None:
@@ -184,7 +185,7 @@ def _handle(data, fds: list[int]) -> np.ndarray:
     if size < 0:
         os.close(fd)
         raise ValueError(f"size {size}")
-    seg = _received(_shared.attach_fd(fd, size, owned=True))
+    seg = _received(_attach.attach_fd(fd, size, owned=True))
     if block < 0:
         if _shared.is_arena(seg):
             raise ValueError("a handle names an arena without its block")

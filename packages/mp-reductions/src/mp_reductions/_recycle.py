@@ -1,5 +1,5 @@
 """Recycling the segments that carry copies of unshared arrays, and the spills of large pickles and of
-protocol-5 buffers (_channel Note [spills]).
+protocol-5 buffers (_pickling Note [spills]).
 
 Note [recycling]: a fresh tmpfs segment costs a page fault per 4 KiB on first
 touch (copying into one runs at ~0.6 GB/s here, into a faulted one at ~9 GB/s),
@@ -53,7 +53,7 @@ import numpy as np
 import shm_core
 import shm_manager
 
-from . import _shared, _stats
+from . import _attach, _shared, _stats
 
 REFS = shm_core.VIEWS_OFFSET  # messages in flight + processes with views (Note [recycling])
 IDLE = float(os.environ.get("ARRAYMP_RECYCLE_IDLE", "1.0"))
@@ -126,7 +126,7 @@ def take(nbytes: int, named: bool = False, zero: bool = False) -> shm_core.Segme
     if seg is not None:
         try:
             if not named:
-                _shared.fd_for_sending(seg)  # its descriptor may have been closed (_shared Note [descriptors])
+                _attach.fd_for_sending(seg)  # its descriptor may have been closed (_shared Note [descriptors])
             if zero:
                 np.frombuffer(seg, np.uint8, nbytes).fill(0)
             _stats.counts[_stats.SEGMENTS_REUSED] += 1
@@ -163,7 +163,7 @@ def take_named(min_bytes: int) -> shm_core.Segment | None:
     """A free pooled named segment of at least ``min_bytes`` (file_system), or None: the caller makes one.
 
     Only a lower bound is known when the segment's name must go into the pickle (see
-    _reductions.CopyMiss)."""
+    _message.CopyMiss)."""
     return _pick(lambda s: bool(s.name) and s.size >= min_bytes)
 
 

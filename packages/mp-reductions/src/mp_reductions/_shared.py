@@ -32,7 +32,7 @@ a holder that dies, even by SIGKILL, is given back exactly once; that includes
 a fork child, which holds (and tells the daemon it holds) every named segment
 it inherits. What a crash can still leak (a message lost in flight) is removed
 when the group ends; a Pool's tasks keep their counts in the parent until done
-with, so none is lost with a worker (_reductions Note [kept counts]).
+with, so none is lost with a worker (_message Note [kept counts]).
 
 Note [arenas]: small ``empty_shared`` arrays (up to ``ARENA_ITEM_MAX``) are
 blocks carved out of per-process arenas, segments of ``ARENA_SIZE`` marked by
@@ -64,7 +64,6 @@ it, is not reused; its arena goes when every process has unmapped it.
 from __future__ import annotations
 
 import collections
-import mmap
 import os
 import resource
 import threading
@@ -123,7 +122,7 @@ class _Table:
                 old.close_fd()
 
 
-_table = _Table()
+table = _Table()
 # (segment key, block) -> weakref of this process's base array of an arena block (Note [arenas])
 _blocks: dict = {}
 # (segment id, block, size) of blocks whose view in this process is gone: candidates for the allocator's reuse
@@ -161,8 +160,8 @@ def _held() -> tuple[set, set, set]:
     """What a fork child would inherit: segments with live views, named segments this process counts, and
     arena blocks it views (as (segment, block))."""
     views, named, blocks = set(), set(), set()
-    with _table.lock:  # another thread may be adding one
-        segments = list(_table.segments.items())
+    with table.lock:  # another thread may be adding one
+        segments = list(table.segments.items())
     for key, seg in segments:
         if seg.exports > 0:
             views.add(seg)
@@ -223,7 +222,7 @@ def _after_fork_in_child():
     # Same segments, fresh lock; the parent's arenas must not be carved twice (_arrays makes the child a fresh
     # allocator, and the blocks dropped here are the parent's to reuse); the counts taken before the fork are this
     # child's (Note [fork]).
-    _table.lock = threading.Lock()
+    table.lock = threading.Lock()
     dropped_blocks.clear()
     counted, _fork_counted = _fork_counted, ((), (), ())
     now = _held()
@@ -248,7 +247,7 @@ def _release_all() -> None:
         base = ref()
         if base is not None:
             segment_of(base)[0].fetch_add(_HDR + block, -1)
-    for key, seg in list(_table.segments.items()):
+    for key, seg in list(table.segments.items()):
         seg.disown()
         if key[0] == "n":
             hook, seg.release_hook = seg.release_hook, None
@@ -285,20 +284,20 @@ def _unlink_named(seg: shm_core.Segment) -> None:
 
 def give_back_named(seg: shm_core.Segment) -> None:
     """Give back one count of the named segment ``seg`` that no daemon holds for this process (a message's
-    in-flight count that its sender kept: _reductions Note [kept counts]); the last one unlinks it."""
+    in-flight count that its sender kept: _message Note [kept counts]); the last one unlinks it."""
     if seg.decref() == 0:
         _unlink_named(seg)
 
 
-def _adopt_named(seg: shm_core.Segment, sender: int | None = None) -> shm_core.Segment:
-    """This process holds one count of ``seg`` (the one ``sender`` told the daemon of, _reductions Note [results
+def adopt_named(seg: shm_core.Segment, sender: int | None = None) -> shm_core.Segment:
+    """This process holds one count of ``seg`` (the one ``sender`` told the daemon of, _message Note [results
     told]); the daemon gives it back if we die."""
     if sender is None:
         shm_manager.hold(seg.name, seg.dir)
     else:
         shm_manager.take_from(sender, seg.name, seg.dir)
     seg.release_hook = _release_named
-    _table.add(("n", seg.name), seg)
+    table.add(("n", seg.name), seg)
     return seg
 
 
@@ -327,21 +326,21 @@ def create_segment(size: int, strategy: str | None = None, name: str | None = No
             shm_manager.unregister(name)
             raise
         seg.release_hook = _release_named
-        with _table.lock:
-            _table.add(("n", seg.name), seg)
+        with table.lock:
+            table.add(("n", seg.name), seg)
         seg.incref()
         _stats.counts[_stats.SEGMENTS_MADE] += 1
         return seg
     seg = shm_core.create_anonymous(size)
     _stats.counts[_stats.SEGMENTS_MADE] += 1
-    with _table.lock:
-        _table.add(fd_key(seg.fd), seg)
-        _table.keep_fd(seg)
+    with table.lock:
+        table.add(fd_key(seg.fd), seg)
+        table.keep_fd(seg)
     return seg
 
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
-util.register_after_fork(_table, lambda table: _ensure_exit_hook(again=True))
+util.register_after_fork(table, lambda table: _ensure_exit_hook(again=True))
 
 
 def aligned(n: int) -> int:
@@ -486,119 +485,18 @@ def is_shared(arr: object) -> bool:
     return isinstance(arr, np.ndarray) and segment_of(arr) is not None
 
 
-# ---------------------------------------------------------------------- attaching
-def attach_fd(fd: int, size: int | None, *, owned: bool) -> shm_core.Segment:
-    """The segment behind a received ``fd``, mapped once per process.
-
-    ``owned``: the caller hands ``fd`` over (it is kept or closed here).
-    """
-    key = fd_key(fd)
-    with _table.lock:
-        seg = _table.segments.get(key)
-        if seg is None:
-            try:
-                seg = shm_core.attach_fd(fd, expected_size=size)
-            except BaseException:
-                if owned:
-                    os.close(fd)
-                raise
-            _table.add(key, seg)
-        elif size is not None and seg.size != size:
-            if owned:
-                os.close(fd)
-            raise shm_core.SegmentError(f"handle says {size} bytes but the segment holds {seg.size}")
-        if not owned:
-            return seg
-        if seg.fd < 0:
-            seg.fd = fd
-            _table.keep_fd(seg)
-        else:
-            os.close(fd)
-        if seg.key in _table.fd_lru:
-            _table.fd_lru.move_to_end(seg.key)
-        return seg
-
-
-def attach_named(name: str, dir: str, size: int | None, counted: bool = True,
-                 sender: int | None = None) -> shm_core.Segment:
-    """The named segment ``name``, mapped once per process; takes over one in-flight count (``counted``: from the
-    daemon when ``sender`` told it, _reductions Note [results told]), or takes a count of its own (the sender
-    keeps its count until then: _reductions Note [kept counts])."""
-    with _table.lock:
-        seg = _table.segments.get(("n", name))
-        if seg is not None:
-            if counted:  # this process already holds a count: the in-flight one goes back
-                if sender is not None:  # (the daemon was told of it: it forgets it, or would give it back again)
-                    shm_manager.drop_from(sender, name, dir)
-                seg.decref()
-            return seg
-        try:
-            seg = shm_core.attach(name, dir, expected_size=size)
-        except FileNotFoundError:
-            raise FileNotFoundError(
-                f"shared-memory segment {os.path.join(dir, name)} no longer exists: every count of it was given "
-                "back before this message was received. Either its holders let go of it (keep the sender's array "
-                "alive until received), or a message naming it was received twice (the same pickled bytes "
-                "delivered again, or a forged handle: each takes a count it never owned), or it was removed by "
-                "hand (shm-manager gc)"
-            ) from None
-        if not counted:  # (room for the hold's frame first: a count added with its frame left in our socket
-            shm_manager.flush()  # goes with a process killed then, until the group ends)
-            seg.incref()
-        return _adopt_named(seg, sender if counted else None)
-
-
-def fd_for_sending(seg: shm_core.Segment, *, dup: bool = False) -> int:
-    """This process's descriptor of the memfd segment ``seg``, re-opened if the LRU closed it (Note
-    [descriptors]): valid until the next segment is made or received here, or (``dup``) a new one that the
-    caller closes. Raises OSError when it cannot be re-opened."""
-    with _table.lock:
-        if seg.fd >= 0:
-            if seg.key in _table.fd_lru:
-                _table.fd_lru.move_to_end(seg.key)
-            return os.dup(seg.fd) if dup else seg.fd
-    fd = _reopen(seg)
-    with _table.lock:
-        if seg.fd >= 0:  # another thread re-opened it meanwhile
-            os.close(fd)
-        else:
-            seg.fd = fd
-        _table.keep_fd(seg)
-        return os.dup(seg.fd) if dup else seg.fd
-
-
-def _reopen(seg: shm_core.Segment) -> int:
-    """A new descriptor of the file ``seg`` maps, through /proc/self/map_files (the kernel names a mapping
-    by its page-rounded range)."""
-    start = seg.address
-    end = start + -(-seg.length // mmap.PAGESIZE) * mmap.PAGESIZE
-    try:
-        fd = os.open(f"/proc/self/map_files/{start:x}-{end:x}", os.O_RDWR | os.O_CLOEXEC)
-    except OSError as exc:
-        raise OSError(exc.errno, f"cannot send this shared array: this process keeps {fd_budget()} shared-memory "
-                      "descriptors open (its share of the open-files limit, RLIMIT_NOFILE) and this segment's was "
-                      f"closed; re-opening it from /proc/self/map_files failed ({exc.strerror}; it needs "
-                      "CAP_CHECKPOINT_RESTORE or CAP_SYS_ADMIN). Raise the limit (ulimit -n), keep fewer "
-                      "large shared arrays alive (small ones share arenas; arraymp.share_memory packs many into "
-                      "one segment), or use the 'file_system' sharing strategy, whose segments re-open by name") \
-            from None
-    if fd_key(fd) != seg.key:
-        os.close(fd)
-        raise shm_core.SegmentError("/proc/self/map_files named another file than the segment's; not sending it")
-    return fd
-
-
+# ---------------------------------------------------------------------- leaving the table
 def forget(seg: shm_core.Segment) -> None:
     """``seg`` is no longer shared memory of this process (_alloc: privatized): out of the table, its descriptor
     closed; the mapping goes with the object."""
-    with _table.lock:
-        if _table.segments.get(getattr(seg, "key", None)) is seg:
-            del _table.segments[seg.key]
+    with table.lock:
+        if table.segments.get(getattr(seg, "key", None)) is seg:
+            del table.segments[seg.key]
     release_fd(seg)
 
 
 def release_fd(seg: shm_core.Segment) -> None:
     """Close ``seg``'s descriptor now (the mapping stays); sending it later re-opens it."""
-    with _table.lock:
-        _table.fd_lru.pop(getattr(seg, "key", None), None)
+    with table.lock:
+        table.fd_lru.pop(getattr(seg, "key", None), None)
         seg.close_fd()

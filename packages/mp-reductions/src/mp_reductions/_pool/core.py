@@ -270,7 +270,7 @@ class Core:
         _quietly(self.slots.drain)  # nothing takes from the slots any more
         self.watchdog.stop()
         _join(self.threads.get("watchdog"))
-        _quietly(self.slots.done_with, list(self.slots.senders))  # (_reductions Note [results told])
+        _quietly(self.slots.done_with, list(self.slots.senders))  # (_message Note [results told])
         _quietly(_recycle.release_all)
         self.close_channels()  # their descriptors go now, not when a traceback holding the pool is collected
 

@@ -259,7 +259,7 @@ class ResultHandler:
                 error.__cause__ = self.start_errors.get(pid)
                 self.core.start_failed(error)
         self.start_errors.pop(pid, None)
-        slots.done_with([pid])  # every message it sent is read (_reductions Note [results told])
+        slots.done_with([pid])  # every message it sent is read (_message Note [results told])
         running = slots.lost(k, took)
         result = self.cache.get(running[0]) if running else None
         if result is not None:
