@@ -1,4 +1,4 @@
-"""Note [Counts given at fork] (_daemon.py): the counts a parent takes for a fork child go back when the child dies,
+"""Note [Counts given at fork] (_books.py): the counts a parent takes for a fork child go back when the child dies,
 even if it dies before it ran a line of ours; a child that claims them holds them as any hold; G and C frames may
 come in either order; a segment whose maker died making it is removed."""
 

@@ -21,10 +21,10 @@ _end.py), or by the next program's sweep or ``gc``.
 Frame: ``<u32 length><op><name>``, op ``R`` (register) or ``U``, ``H`` (this
 process holds one count of the segment's refcount) or ``X`` (the daemon takes
 one count back for it: unlinking at zero); and for the counts a fork child
-inherits (Note [Counts given at fork] in _daemon.py), ``G`` with
+inherits (Note [Counts given at fork] in _books.py), ``G`` with
 ``<pid>:<start time>:<name>`` (the parent gave that child one count) and ``C``
 with ``<start time>:<name>`` (the child claims one count its parent gave it); for the in-flight counts of a
-message whose reader says when it is done with its sender (Note [Counts sent to a reader] in _daemon.py), ``T``
+message whose reader says when it is done with its sender (Note [Counts sent to a reader] in _books.py), ``T``
 with ``<reader pid>:<name>`` (this process sent it one count), ``V`` (takes one back, unsent), ``A`` with
 ``<sender pid>:<name>`` (this process takes over one count that sender sent it), ``D`` (it gives that count back
 itself) and ``S`` with ``<sender pid>`` (this process will take nothing more from it).
@@ -187,7 +187,7 @@ def hold(name: str, dir: str | os.PathLike | None = None) -> None:
 def give(pid: int, start: int, names: list[tuple[str, str | os.PathLike | None]]) -> None:
     """The parent of a fork child ``pid`` (started at ``start``, clock ticks since boot) counted one refcount of
     each named segment of ``names`` ((name, dir) pairs) for it: tell the daemons, which give those counts back if
-    the child dies before it claims them (Note [Counts given at fork] in _daemon.py). Fire-and-forget."""
+    the child dies before it claims them (Note [Counts given at fork] in _books.py). Fire-and-forget."""
     try:
         with _lock:
             for name, dir in names:
@@ -204,7 +204,7 @@ def give(pid: int, start: int, names: list[tuple[str, str | os.PathLike | None]]
 def send_to(reader: int, name: str, dir: str | os.PathLike | None, count: Callable[[], object]) -> bool:
     """Add one in-flight count of ``name`` for a message to process ``reader`` (``count()``, the caller's increment
     of the header) and tell the daemon, which gives it back if ``reader``, done with this process
-    (:func:`done_with`), never took it over (:func:`take_from`): Note [Counts sent to a reader] in _daemon.py. The
+    (:func:`done_with`), never took it over (:func:`take_from`): Note [Counts sent to a reader] in _books.py. The
     count is added right before the frame's ``send``, with this process's socket drained first (waiting up to a
     second for room, as :func:`release` does), so that a process killed in between is a matter of microseconds;
     send the message only after. False: no daemon can be told, and nothing was counted."""
@@ -240,14 +240,14 @@ def _tell_peer(op: bytes, peer: int, name: str, dir, count: Callable[[], object]
 
 def take_from(sender: int, name: str, dir: str | os.PathLike | None = None) -> None:
     """This process holds the in-flight count that ``sender`` told with :func:`send_to`; as :func:`hold`, but no
-    new count (Note [Counts sent to a reader] in _daemon.py). Unconnected, the hold goes as ``H`` when connected:
+    new count (Note [Counts sent to a reader] in _books.py). Unconnected, the hold goes as ``H`` when connected:
     a new daemon knows of no count sent."""
     _hold_given(name, dir, _frame(b"A", f"{sender}:{name}"), keep_claim=False)
 
 
 def drop_from(sender: int, name: str, dir: str | os.PathLike | None = None) -> None:
     """As :func:`take_from`, for a reader that maps the segment already and gives the count back itself: the
-    daemon only forgets it (Note [Counts sent to a reader] in _daemon.py). Fire-and-forget, and sent with the next
+    daemon only forgets it (Note [Counts sent to a reader] in _books.py). Fire-and-forget, and sent with the next
     frames (by :func:`done_with` at the latest): it only has to come before that."""
     try:
         with _lock:
@@ -262,7 +262,7 @@ def drop_from(sender: int, name: str, dir: str | os.PathLike | None = None) -> N
 
 def done_with(senders) -> None:
     """This process has read every message the processes ``senders`` (pids, dead or gone) sent it: the counts
-    they told with :func:`send_to` that it never took go back (Note [Counts sent to a reader] in _daemon.py).
+    they told with :func:`send_to` that it never took go back (Note [Counts sent to a reader] in _books.py).
     Told to every daemon this process is connected to, and to its own group's (connecting, but not starting one:
     with none there, nothing was told); fire-and-forget."""
     try:
