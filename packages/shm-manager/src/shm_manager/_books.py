@@ -59,13 +59,13 @@ sender (dead or gone), but for a sender killed in the microseconds between addin
     reader --S sender-------> daemon: once no connection of the sender is left, sent[sender, reader] back
 
 A sender whose reader says when it has read all it will ever read from it (a Pool's worker: its pool reads every
-result a dead worker sent before it settles the death) sends the ``T`` in the call that adds the count (the frame
-ready and the socket drained first: the count, then one ``send``). ``T`` and ``A`` come on two sockets, in either
-order: the second matches the first. ``D`` replaces ``A`` where the reader maps the segment already and gives the
-count back itself. ``S`` gives back only once every connection of the sender was read to its end (its ``T`` frames
-all in); a ``T`` to a reader already done with its sender (connected, told and died between two reads of the
-daemon's) goes back at once; a failed message's count, by ``V reader:name``. A ``T`` costs the daemon one header read
-(Note [Booked counts]) and two dictionary updates.
+result a dead worker sent before settling the death) sends the ``T`` in the call that adds the count (the frame ready
+and the socket drained first: the count, then one ``send``). ``T`` and ``A`` come on two sockets, in either order:
+the second matches the first. ``D`` replaces ``A`` where the reader maps the segment already and gives the count back
+itself. ``S`` gives back only once every connection of the sender was read to its end (its ``T`` frames all in); a
+``T`` to a reader already done with its sender (connected, told and died between two reads of the daemon's) goes back
+at once; a failed message's count, by ``V reader:name``. A ``T`` costs the daemon one header read (Note [Booked
+counts]) and two dictionary updates.
 """
 
 from __future__ import annotations
