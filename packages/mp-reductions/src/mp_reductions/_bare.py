@@ -27,26 +27,32 @@ from ._message import Outgoing, _received
 from ._reductions import reduce_ndarray
 from ._strategy import get_inline_threshold
 
-# Note [bare arrays]: a message that is one array goes bare when reduce_ndarray would send it as the only
-# thing in its pickle, and only while reduce_ndarray is the reducer registered for ndarray (one registered
-# in its place is honoured): an ndarray itself (no subclass) of a dtype its string names exactly (no Python
-# objects, fields, subarray or metadata), and either
-#   - inline (b"A", a plain message): no bytes, or under the inline threshold and in no segment;
-#   - a handle (b"B", with one descriptor): in a memfd segment (an arena block too), counted in flight as
-#     Outgoing.fd_ref / block_ref count it, and given back by the receiver as rebuild_ndarray gives it back.
-# Everything else (a copy into a new segment, a named segment) is pickled. The receiver rebuilds what the
-# pickled form would rebuild; a pickle starts with b"\x80", never b"A" or b"B", so ``_channel.loads`` tells
-# them apart. Every field comes from another process: one that names no array is a SegmentError, before
-# anything is made (shm_core.array_from checks the header: a dtype with no Python objects, fields or subarray,
-# dimensions that fit an array, its bytes exactly the array's or its view inside the segment).
+# Note [bare arrays]
+# ~~~~~~~~~~~~~~~~~~
+# Invariant: a message that is one array goes bare exactly when reduce_ndarray is the reducer registered for ndarray
+# (one registered in its place is honoured) and would send the array as the only thing in its pickle, and the
+# receiver rebuilds what the pickled form would rebuild. That is an ndarray itself (no subclass) of a dtype its
+# string names exactly (no Python objects, fields, subarray or metadata), and either
 #
-# How a bare handle meets the other mechanisms: it is a message with one descriptor, so the receive's peek
-# (shm_core Note [descriptor headroom]) and the descriptor LRU (_shared Note [descriptors]: attach_fd) treat
-# it as any; its in-flight count is _recycle's REFS word, taken by Outgoing.fd_ref and given back by the
-# receiver once its view exists (a view made here counts as this process's, through the segment's
-# memoryview, the array's base), and an arena block's count likewise (_shared Note [arenas]); arrays the
-# shared allocator made (_alloc) are found by segment_of and go the same way. A message lost unreceived keeps
-# its counts, as a pickled handle's. The caches here hold dtypes only (a fork child's are as good as its
+# - inline (b"A", a plain message): no bytes, or under the inline threshold and in no segment;
+# - a handle (b"B", one descriptor): in a memfd segment (an arena block too), counted in flight and given back as a
+#   pickled handle is (Note [bare handles]).
+#
+# Everything else (a copy into a new segment, a named segment) is pickled; a pickle starts with b"\x80", so
+# ``_channel.loads`` tells them apart. Every field comes from another process: one that names no array is a
+# SegmentError before anything is made (shm_core.array_from checks the header: a dtype with no Python objects, fields
+# or subarray, dimensions that fit an array, its bytes exactly the array's or its view inside the segment).
+#
+# Note [bare handles]
+# ~~~~~~~~~~~~~~~~~~~
+# Invariant: a bare handle is counted as a pickled handle to the same memory is: its in-flight count is _recycle's
+# REFS word (an arena block's likewise: _shared Note [arenas]), taken by Outgoing.fd_ref (block_ref) and given back
+# by the receiver once its view exists (a view made here counts as this process's, through the segment's memoryview,
+# the array's base); a message lost unreceived keeps its counts.
+#
+# A bare handle is a message with one descriptor: the receive's peek (shm_core Note [descriptor headroom]) and the
+# descriptor LRU (_shared Note [descriptors]: attach_fd) treat it as any. The shared allocator's arrays (_alloc) are
+# found by segment_of and go the same way. The caches here hold dtypes only (a fork child's are as good as its
 # parent's).
 _HANDLE = struct.Struct("<cqqq")
 BARE_MAX = 64 * 1024 - 1024  # _pickling.INLINE less the largest header (255 dtype bytes, 64 dimensions)

@@ -55,16 +55,18 @@ SPIN = int(os.environ.get("ARRAYMP_QUEUE_SPIN", "50"))  # see _queues Note [spin
 SOCKBUF = 1 << 20
 
 
-# Note [blocking]: socket.setdefaulttimeout() gives every Python socket made
-# after it a timeout (a blocking get() would raise TimeoutError), and sets
-# O_NONBLOCK on its descriptor: a flag of the open file, shared by every
-# process that holds the socket. The stdlib's connections are bare descriptors
-# and ignore that setting; ours ignore it too. Every socket made here is set
-# blocking (timeout None); one rebuilt from a descriptor another process sent
-# is made with SOCK_NONBLOCK in its type, which Python takes as given without
-# touching the file, then set blocking: a child under a default timeout never
-# makes its parent's blocking reads fail. The timeouts a caller asks for
-# (get(timeout=...), poll(t)) are poll()s, never socket timeouts.
+# Note [blocking]
+# ~~~~~~~~~~~~~~~
+# Invariant: every socket of our channels is blocking (timeout None) in every process that holds it, whatever
+# socket.setdefaulttimeout() says there; the timeouts a caller asks for (get(timeout=...), poll(t)) are poll()s,
+# never socket timeouts.
+#
+# Why: socket.setdefaulttimeout() gives every Python socket made after it a timeout (a blocking get() would raise
+# TimeoutError), and sets O_NONBLOCK on its descriptor: a flag of the open file, shared by every process that holds
+# the socket. The stdlib's connections are bare descriptors and ignore that setting; ours ignore it too. Every socket
+# made here is set blocking; one rebuilt from a descriptor another process sent is made with SOCK_NONBLOCK in its
+# type, which Python takes as given without touching the file, then set blocking: a child under a default timeout
+# never makes its parent's blocking reads fail.
 
 
 class _Socket(socket.socket):
@@ -106,10 +108,12 @@ def socket_from_fd(fd: int, kind: int) -> socket.socket:
     return sock
 
 
-# Note [plain messages]: most messages name no shared memory (a Pool's tasks and results, small arrays):
-# their Outgoing makes no list (it has nothing to give back), their pickle is made by the thread's reused
-# pickler (_pickling Note [reused pickler]), and their Packet is ``plain``: kind b"P", no descriptor. A Pool
-# batches plain tasks and frames plain results on a socket of their own (_pool Note [batches]).
+# Note [plain messages]
+# ~~~~~~~~~~~~~~~~~~~~~
+# Invariant: a message that names no shared memory (most: a Pool's tasks and results, small arrays) goes as a
+# ``plain`` Packet (kind b"P", no descriptor), its Outgoing makes no list (it has nothing to give back), and its
+# pickle is made by the thread's reused pickler (_pickling Note [reused pickler]). A Pool batches plain tasks and
+# frames plain results on a socket of their own (_pool Note [batches]).
 class Packet:
     """One pickled message ready to send: its buffers, descriptors and keep-alives.
 
@@ -314,16 +318,16 @@ def unpack(data: bytes, fds: list[int]) -> tuple[bytes | memoryview, list[int]]:
                                 "descriptors fits no kind of arraymp's wire format (forged or corrupted message)")
 
 
-# Note [opening named segments]: unpickling a handle to a named segment (file_system)
-# opens its directory and its file (and, the first time, shm-manager's connection):
-# descriptors the message did not bring. A receiver without them must not lose the
-# message half-read (the counts it takes over cannot be taken twice), so before
-# unpickling a message that may name one, the receiver checks that HEADROOM
-# descriptors can be opened; if not, it keeps the message whole in ``pending`` (the
-# channel's, in this process), raises OSError(EMFILE) with the remedy, and its next
-# receive returns that message first. ``_NAMED`` is how pickle writes the first "n" of
-# a named reference (_reductions): a message without it names no named segment (one
-# with it may only hold the string "n": then the check is merely not needed).
+# Note [opening named segments]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Invariant: a receiver unpickles a message that may name a named segment (file_system) only when HEADROOM
+# descriptors can be opened; if they cannot, it keeps the message whole in ``pending`` (the channel's, in this
+# process), raises OSError(EMFILE) with the remedy, and its next receive returns that message first.
+#
+# Why: unpickling a handle to a named segment opens its directory and its file (and, the first time, shm-manager's
+# connection): descriptors the message did not bring. A message half-read would be lost (the counts it takes over
+# cannot be taken twice). ``_NAMED`` is how pickle writes the first "n" of a named reference (_reductions): a message
+# without it names no named segment (one with it may only hold the string "n": then the check is merely not needed).
 HEADROOM = 3
 _NAMED = re.compile(re.escape(b"\x8c\x01n"))
 

@@ -70,13 +70,17 @@ def _pickle_inline(obj, moves: frozenset, head: bytes = b"") -> tuple[Outgoing, 
     return out, payload
 
 
-# Note [reused pickler]: each thread keeps one _Pickler and its _Writer for the messages it pickles (making
-# them costs more than pickling a small message), its memo cleared after every message (the memo holds the
-# objects it pickled: arrays must not live on in it). A pickle made while the thread's own is in use (a
-# reducer that sends a message of its own) gets a fresh pair; so does one after ForkingPickler's
-# registrations changed. A pickle over FRESH_AFTER bytes retires the pair instead: the C pickler's memo table
-# never shrinks, and clearing it writes all of it, so after one message of 200,000 objects every later message
-# paid ~1.3 ms to clear it (a Pool worker's small results after a large one: 2x its CPU); a new pair costs ~1 us.
+# Note [reused pickler]
+# ~~~~~~~~~~~~~~~~~~~~~
+# Invariant: each thread pickles its messages with one _Pickler and its _Writer, its memo cleared after every message
+# (the memo holds the objects it pickled: arrays must not live on in it); a fresh pair is made for a pickle made
+# while the thread's own is in use (a reducer that sends a message of its own) and after ForkingPickler's
+# registrations changed, and a pickle over FRESH_AFTER bytes retires the pair.
+#
+# Why: making the pair costs more than pickling a small message. A large pickle retires it because the C pickler's
+# memo table never shrinks, and clearing it writes all of it: after one message of 200,000 objects every later
+# message paid ~1.3 ms to clear it (a Pool worker's small results after a large one: 2x its CPU); a new pair costs ~1
+# us.
 SPILL_AT = 64  # where a spill segment's pickle starts (Note [spills])
 FRESH_AFTER = 4096  # bytes of pickle past which the thread's pickler is retired, not cleared (Note [reused pickler])
 
@@ -236,10 +240,12 @@ def _out_of_band(buf) -> bool:
     return tls.ctx.out_of_band(buf)
 
 
-# Note [spilled pickles]: a pickle over INLINE bytes goes in a memfd whose descriptor the message carries. A memfd
-# obeys the file-size limit (RLIMIT_FSIZE, ``ulimit -f``), which a pipe does not: under such a limit the pickle is cut
-# into as many memfds as it takes (each at the limit), their descriptors the message's last ones, and the receiver
-# joins them; the stdlib's Queue sends any size down its pipe, and so must ours.
+# Note [spilled pickles]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# Invariant: a pickle of any size goes, as the stdlib's Queue sends any size down its pipe: one over INLINE bytes
+# goes in a memfd whose descriptor the message carries, and under a file-size limit (RLIMIT_FSIZE, ``ulimit -f``,
+# which a memfd obeys and a pipe does not) in as many memfds as it takes (each at the limit), their descriptors the
+# message's last ones, joined by the receiver.
 def _spill(payload, room: int) -> list[shm_core.Segment]:
     """Segments holding ``payload`` one after the other: one, or under a file-size limit as many as it takes (at
     most ``room``)."""
@@ -258,24 +264,26 @@ def _spill(payload, room: int) -> list[shm_core.Segment]:
     return spills
 
 
-# Note [spills]: a message whose pickle is over INLINE bytes, or that hands out-of-band buffers (protocol 5's
-# pickle.PickleBuffer: numpy's, pyarrow's, any type's whose __reduce_ex__(5) makes them) of the inline threshold
-# or more, goes in one recycled segment (_recycle Note [recycling]: already faulted in on both sides), carried as
-# the message's last descriptor::
+# Note [spills]
+# ~~~~~~~~~~~~~
+# Invariant: a message whose pickle is over INLINE bytes, or that hands out-of-band buffers (protocol 5's
+# pickle.PickleBuffer: numpy's, pyarrow's, any whose __reduce_ex__(5) makes them) of the inline threshold or more,
+# goes in one recycled segment (_recycle Note [recycling]: already faulted in on both sides), carried as the
+# message's last descriptor; the segment goes back to its sender's pool only once every object rebuilt over it is
+# gone::
 #
 #     | nbuf, table at, pickle at, pickle length | pickle (at SPILL_AT) | table: nbuf x (offset, length) |
 #     | buffer 0 | buffer 1 | ...
 #
-# The sender pickles into it (_Writer: past INLINE bytes the pickle moves from its chunks of bytes into a segment) and
-# copies each buffer into it once, then counts the message in the segment's views word; the
-# receiver views the segment, gives the message's count back (unpack, _unspill), unpickles from the mapping
-# where it lies (no copy into bytes) and hands pickle the buffers as views of the mapping: an object rebuilt
-# over them (a numpy array, an Arrow buffer) holds the mapping, counted in the views word, so the segment
-# goes back to its sender's pool only once every such object is gone; pickle makes read-only the buffers the
-# sender's were. Every field is read from another process: a table that does not fit the segment, a negative
-# count, or buffers that are not exactly those the pickle names are a SegmentError. Received, such a message
-# is a memoryview of the segment (``spilled``), which ``loads`` tells apart from every other kind. Where
-# shared memory is full, the buffers go in the pickle and the pickle in fresh memfds (Note [spilled pickles]).
+# The sender pickles into it (_Writer: past INLINE bytes the pickle moves from chunks of bytes into a segment) and
+# copies each buffer into it once, then counts the message in the segment's views word. The receiver views the
+# segment, gives the message's count back (unpack, _unspill), unpickles from the mapping (no copy into bytes) and
+# hands pickle the buffers as views of the mapping: an object rebuilt over them (a numpy array, an Arrow buffer)
+# holds the mapping, counted in the views word; pickle makes read-only the buffers the sender's were. Every field is
+# read from another process: a table that does not fit the segment, a negative count, or buffers that are not exactly
+# those the pickle names are a SegmentError. Received, it is a memoryview of the segment (``spilled``), which
+# ``loads`` tells apart. Where shared memory is full, the buffers go in the pickle and the pickle in fresh memfds
+# (Note [spilled pickles]).
 _SPILL = struct.Struct("<qqqq")  # out-of-band buffers, the table's offset, the pickle's offset and length
 _ENTRY = struct.Struct("<qq")  # a buffer's offset and length
 

@@ -147,17 +147,20 @@ def _inline(arr: np.ndarray) -> tuple:
     return rebuild_inline, (arr.tobytes(order), _dtype(arr.dtype), arr.shape, order, _readonly(arr))
 
 
-# Note [small arrays]: a small array travels in the pickle, every one of a message: a writable one in native byte
-# order by numpy's own reduction, as the stdlib sends it (its rebuild is numpy's C: a chunk of 250 small results
-# loaded in 196 us, against 603 us through rebuild_inline), any other by rebuild_inline (its bytes, its dtype's
-# string, byte order and read-only flag kept). A message of a thousand small arrays is pickled once, at
-# about the cost of the stdlib's pickle of it (it was pickled a second time, each of them put in shared memory,
-# when its pickle passed INLINE bytes: it is spilled now, Note [spills]). On our channels one that owns its data (no
-# base) is in no segment when the process has no shared allocation (_alloc: ``_shared.owned`` empty) or it is under
-# _alloc's THRESHOLD (the shared handler holds no allocation under it: its realloc moves data by size): it skips
-# the search for one (segment_of, and the walk of _alloc Note [moving results], which leaves it out). A worker
-# keeping one born-private array alive sent every small array the slow way: a Pool.map of dicts of 50 small arrays
-# ran 1.3x the stdlib's.
+# Note [small arrays]
+# ~~~~~~~~~~~~~~~~~~~
+# Invariant: a small array travels in the pickle, every one of a message: a writable one in native byte order by
+# numpy's own reduction, as the stdlib sends it, any other by rebuild_inline (its bytes, its dtype's string, byte
+# order and read-only flag kept). On our channels one that owns its data (no base) skips the search for a segment
+# (segment_of, and the walk of _alloc Note [moving results], which leaves it out) when the process has no shared
+# allocation (``_shared.owned`` empty) or it is under _alloc's THRESHOLD (the shared handler holds no allocation
+# under it: its realloc moves data by size).
+#
+# Measured: numpy's rebuild is C: a chunk of 250 small results loaded in 196 us, against 603 us through
+# rebuild_inline. A message of a thousand small arrays is pickled once, at about the cost of the stdlib's pickle of
+# it (it was pickled a second time, each of them put in shared memory, when its pickle passed INLINE bytes: it is
+# spilled now, Note [spills]). A worker keeping one born-private array alive sent every small array the slow way: a
+# Pool.map of dicts of 50 small arrays ran 1.3x the stdlib's.
 def rebuild_inline(data: bytes, dtype, shape, order: str, readonly: bool) -> np.ndarray:
     """Rebuild a small array sent inside the pickle, byte order and read-only flag kept (numpy's own
     protocol-4 reduction, which the stdlib uses, loses both)."""
@@ -177,21 +180,22 @@ def rebuild_inline(data: bytes, dtype, shape, order: str, readonly: bool) -> np.
     return arr
 
 
-# Note [channels we do not own]: outside our channels (no Outgoing context) a memfd
-# segment's descriptor can travel only by ``multiprocessing.reduction.DupFd``. While a
-# process is being launched (Process arguments under spawn and forkserver: ``mp.spawn``,
-# Pool and executor ``initargs``) the launcher passes it with the child's other
-# descriptors, so the child gets it whatever the parent does next; we hand the launcher a
-# dup, open until the Popen object goes, since the argument's segment (a copy made just
-# for the pickle) may be gone before the launch. Anywhere else (the stdlib's Queue and
-# Pipe, Manager proxies) DupFd's resource sharer serves the descriptor from a thread of
-# the sender, which may have exited by the time the receiver asks: so there, under the
-# file_descriptor strategy, every array travels as a copy in the pickle, exactly as the
-# stdlib sends it (shared ones too: losing an array is worse than losing the sharing).
-# Named segments (file_system) travel by name on every channel: their in-flight count
-# keeps them for the receiver whoever exits first. There, under file_system, an array in
-# a memfd segment (received, born shared, made before the strategy was set) is copied as
-# an unshared one is: into a named segment, or inline when small.
+# Note [channels we do not own]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Invariant: outside our channels (no Outgoing context) under the file_descriptor strategy, every array travels as a
+# copy in the pickle, exactly as the stdlib sends it (shared ones too: losing an array is worse than losing the
+# sharing), but in the arguments of a process being launched; named segments (file_system) travel by name on every
+# channel.
+#
+# Why: there a memfd segment's descriptor can travel only by ``multiprocessing.reduction.DupFd``. While a process is
+# being launched (Process arguments under spawn and forkserver: ``mp.spawn``, Pool and executor ``initargs``) the
+# launcher passes it with the child's other descriptors, so the child gets it whatever the parent does next; we hand
+# the launcher a dup, open until the Popen object goes, since the argument's segment (a copy made just for the
+# pickle) may be gone before the launch. Anywhere else (the stdlib's Queue and Pipe, Manager proxies) DupFd's
+# resource sharer serves the descriptor from a thread of the sender, which may have exited by the time the receiver
+# asks. A named segment's in-flight count keeps it for the receiver whoever exits first. Under file_system, an array
+# in a memfd segment (received, born shared, made before the strategy was set) is copied as an unshared one is: into
+# a named segment, or inline when small.
 def _launch_fd(popen, seg: shm_core.Segment):
     """A DupFd of ``seg`` for the child ``popen`` launches: one per segment (the spawn launcher rejects a
     descriptor passed twice), a dup kept open until ``popen`` goes (Note [channels we do not own])."""
@@ -279,20 +283,25 @@ def rebuild_ndarray(ref, size, offset, shape, strides, dtype, readonly, block=No
     return arr
 
 
-# Note [inputs once per call]: a Pool call whose tasks all take the same unshared array (``partial(f, big)``,
-# ``starmap`` of ``(big, i)`` pairs) copied it into a new message segment for every task: a 256 MiB input cost a
-# copy per task and one segment per task in flight (+0.8 GiB in the issue's run). The Pool gives the messages of one
-# call (job) one ``inputs`` table, id -> [weak reference to the array, its shared copy]. An array's first message
-# copies it as before (the
-# task gets a view of that segment: no copy on arrival); its second makes one shared copy (``shared_copy``: a
-# recycled segment) that this and every later message of the call name as a handle. Each such task rebuilds its
-# own private copy from it (``rebuild_own_copy``), as the stdlib's unpickling gives each task its own array: a task
-# that writes its input never changes another's. An entry holds its array weakly (an id is the array's only while
-# it lives: the entry goes with it, and a new array with the same id is a new entry), and the table goes when the
-# call's result is complete (the Pool's cache entry goes: _Cache); the shared copy's segment then goes back to the
-# recycling pool once the last task's view is gone (_recycle Note [recycling]). Only map-like calls have a table
-# (an apply sends one task). A caller who changes the array while the call runs: the stdlib's tasks pickled later
-# see the change, ours after the first two do not.
+# Note [inputs once per call]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Invariant: an unshared array that several tasks of one map-like Pool call take is copied into shared memory at most
+# twice in that call, whatever the number of tasks, and each task still gets a private copy of its own: a task that
+# writes its input never changes another's.
+#
+# Why: such a call (``partial(f, big)``, ``starmap`` of ``(big, i)`` pairs) copied it into a new message segment for
+# every task: a 256 MiB input cost a copy per task and one segment per task in flight (+0.8 GiB in the issue's run).
+#
+# How: the Pool gives the messages of one call (job) one ``inputs`` table, id -> [weak reference to the array, its
+# shared copy]. An array's first message copies it as before (its task gets a view of that segment); its second makes
+# one shared copy (``shared_copy``: a recycled segment) that it and every later message of the call name, each task
+# rebuilding its own copy from it (``rebuild_own_copy``). An entry holds its array weakly (an id is the array's only
+# while it lives: a new array with the same id is a new entry); the table goes when the call's result is complete
+# (its _Cache entry goes), and the shared copy's segment goes back to the recycling pool once the last task's view is
+# gone. Only map-like calls have a table.
+#
+# Not covered: a caller who changes the array while the call runs: the stdlib's tasks pickled later see the change,
+# ours after the first two do not.
 def rebuild_own_copy(ref, size, offset, shape, strides, dtype, readonly, block=None):
     """An input a Pool call shares once for all its tasks (Note [inputs once per call]): this task's own copy."""
     view = rebuild_ndarray(ref, size, offset, shape, strides, dtype, readonly, block)

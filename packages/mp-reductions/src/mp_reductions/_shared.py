@@ -6,59 +6,56 @@ segment that arrives a hundred times is mapped once, and a same-process round
 trip gives back views of the very memory that was sent. The table holds weak
 references: a segment goes when its last array goes.
 
-Note [descriptors]: a mapping needs no descriptor, but sending a memfd
-segment does. Every memfd segment of this process, made here or received,
-keeps its descriptor in one LRU (``_Table.fd_lru``) of at most ``fd_budget()``
-entries (a quarter of RLIMIT_NOFILE, or all of it but BUDGET_RESERVE when that
-is more; 16 to BUDGET_MAX). Before the LRU first closes a live segment's
-descriptor, the process raises its soft RLIMIT_NOFILE toward the hard limit, for
-itself alone (_nofile Note [open-files limit]): the budget is what lets a
-process forward the arrays it holds without re-opening them (which a normal
-user may not: see below). Past the budget older ones close theirs, so a
-process that makes or receives 20,000 arrays does not run out of descriptors.
-Sending one whose descriptor was closed re-opens the very same file from
-/proc/self/map_files (checked by inode), or raises with the remedy:
-a shared array is never silently sent as a copy. A descriptor handed out for
-sending may be closed by the LRU at the next segment made or received, so our
-channels send a dup of it (``Outgoing.fd_ref``).
+Note [descriptors]
+~~~~~~~~~~~~~~~~~~
+Invariant: a shared memfd array is never silently sent as a copy, and making or receiving any number of them (20,000
+say) does not run a process out of descriptors: each memfd segment of this process, made here or received, keeps its
+descriptor in one LRU (``_Table.fd_lru``) of at most ``fd_budget()`` entries (a quarter of RLIMIT_NOFILE, or all of
+it but BUDGET_RESERVE when that is more; 16 to BUDGET_MAX); past it older ones close theirs, and sending one whose
+descriptor was closed re-opens the very same file from /proc/self/map_files (checked by inode), or raises with the
+remedy.
 
-Note [named segments]: the header refcount counts holders: every process that
-maps the segment, plus one per message in flight. The sender adds the
-in-flight count before sending; a receiver that already maps the segment gives
-it back, one that does not keeps it as its own. The holder that takes the count
-to zero unlinks the name and tells shm_manager. Holders tell shm_manager's
-daemon (hold), and give their count back through it (release): so the count of
-a holder that dies, even by SIGKILL, is given back exactly once; that includes
-a fork child, which holds (and tells the daemon it holds) every named segment
-it inherits. What a crash can still leak (a message lost in flight) is removed
-when the group ends; a Pool's tasks keep their counts in the parent until done
-with, so none is lost with a worker (_message Note [kept counts]).
+Why: a mapping needs no descriptor, but sending a memfd segment does, and re-opening it from map_files is not allowed
+to every user. So before the LRU first closes a live segment's descriptor, the process raises its soft RLIMIT_NOFILE
+toward the hard limit, for itself alone (_nofile Note [open-files limit]): the budget is what lets a process forward
+the arrays it holds without re-opening them. A descriptor handed out for sending may be closed by the LRU at the next
+segment made or received, so our channels send a dup of it (``Outgoing.fd_ref``).
 
-Note [arenas]: small ``empty_shared`` arrays (up to ``ARENA_ITEM_MAX``) are
-blocks carved out of per-process arenas, segments of ``ARENA_SIZE`` marked by
-``ARENA_MARK`` in the header's user word, so one mapping, one descriptor and
-one handle's segment serve thousands of arrays. Each block starts with a
-64-byte head: a count word and the block's data size::
+Note [named segments]
+~~~~~~~~~~~~~~~~~~~~~
+Invariant: a named segment's header refcount is the number of processes that map it plus the messages in flight
+naming it; the holder that takes it to zero unlinks the name and tells shm_manager, and the count of a holder that
+dies, even by SIGKILL, is given back exactly once.
+
+How: the sender adds the in-flight count before sending; a receiver that already maps the segment gives it back, one
+that does not keeps it as its own. Holders tell shm_manager's daemon (hold), and give their count back through it
+(release); that includes a fork child, which holds (and tells the daemon it holds) every named segment it inherits.
+
+Not covered: what a crash can still leak (a message lost in flight) is removed when the group ends; a Pool's tasks
+keep their counts in the parent until done with, so none is lost with a worker (_message Note [kept counts]).
+
+Note [arenas]
+~~~~~~~~~~~~~
+Invariant: an arena block is reused only when no process holds a view of it and no message naming it is in flight:
+its count, like the recycling word (``_recycle`` Note [views word]), is above zero while anyone can reach it, and the
+allocating process takes the block back, once its own view is gone, by one compare-and-swap of 0 to 1.
+
+Small ``empty_shared`` arrays (up to ``ARENA_ITEM_MAX``) are blocks carved out of per-process arenas (segments of
+``ARENA_SIZE``, ``ARENA_MARK`` in the header's user word): one mapping and one descriptor serve thousands of arrays.
+Blocks have 64-byte heads::
 
     arena data:  | head(count, size) | data ... | head(count, size) | data ... |  bump -> free
                  ^ block b                     ^ block b'
 
-A block's count is, like the recycling word (``_recycle`` Note [recycling]),
-the number of processes holding a view of the block plus the messages in
-flight naming it. A process views a block through one ``block_base`` array
-(counted once when made, given back when it dies, inherited and counted again
-by a fork child), and every array over the block is a view of that base; a
-sender counts each array handle it sends, its receiver gives that back once
-it views the block. So while anyone can reach a block its count is above
-zero, and the allocating process may take a block back, with one
-compare-and-swap of 0 to 1, once its own view is gone and the count reads
-zero. The allocator refers to its arenas (at most ``MAX_ARENAS``) weakly; an
-arena lives while any of its arrays does, and the recycler keeps it mapped
-for ``_recycle.IDLE`` seconds after each allocation, so a producer that sends
-and drops its arrays one by one goes on carving the same arena (sending does
-not abandon it), and an idle program leaves nothing behind. A block named by
-a message that is never received, or held by a process killed while holding
-it, is not reused; its arena goes when every process has unmapped it.
+A process views a block through one ``block_base`` array (counted once when made, given back when it dies; a fork
+child's: Note [fork]); every array over the block is a view of it. A sender counts each array handle it sends; its
+receiver gives that back once it views the block. Arenas (at most ``MAX_ARENAS``) are held weakly: one lives while
+any of its arrays does, and the recycler keeps it mapped ``_recycle.IDLE`` seconds after each allocation, so a
+producer that sends and drops arrays one by one goes on carving the same arena, and an idle program leaves nothing
+behind.
+
+Not covered: a block named by a message never received, or held by a killed process, is never reused; its arena goes
+when every process has unmapped it.
 """
 
 from __future__ import annotations
@@ -129,30 +126,27 @@ _blocks: dict = {}
 dropped_blocks: collections.deque = collections.deque()
 
 
-# Note [fork]: a fork child inherits every mapping, view and array of its parent, and
-# each of them is counted in a shared word: a segment's views word (one per process
-# with live buffer exports, _recycle Note [recycling]), an arena block's count (Note
-# [arenas]) and a named segment's refcount (Note [named segments]). The child will
-# give each back when it drops what it inherited (``del``, a garbage collection), so
-# it must have counted them first, or it would uncount its parent's view and the
-# producer would recycle memory the parent still reads. The child's counts are taken
-# by the parent *before* the fork, while the parent's own views keep every word above
-# zero (counting in the child after the fork would leave a window in which the parent
-# drops its view and the word reads zero)::
+# Note [fork]
+# ~~~~~~~~~~~
+# Invariant: the parent takes a fork child's counts of what it inherits (views words: _recycle Note [views word];
+# arena block counts: Note [arenas]; named refcounts: Note [named segments]) *before* the fork, while its own views
+# keep every word above zero: no word reads zero while the parent or the child can reach the memory.
+#
+# Why: the child gives each back when it drops what it inherited, so it must have counted them first, or it would
+# uncount its parent's view and the producer would recycle memory the parent still reads; counting in the child after
+# the fork would leave a window in which the parent drops its view and the word reads zero::
 #
 #     parent, before fork:  +1 in each word it would hand down   (the child's counts)
 #     child, after fork:    keep them; reconcile with what it holds now (other threads
 #                           may run between the snapshot and the fork)
 #
-# A process gives back what it still holds when it exits (``_release_all``, also in a
-# fork child, which exits without a garbage collection): its views word through
-# ``Segment.disown()``, its block counts, its named counts. One killed with SIGKILL
-# keeps a views word or block count up: that memory is never reused (named counts go
-# back through the daemon: the parent gives the child's to it by pid right after the
-# fork, so they go back even if the child is killed before it runs a line; shm_manager
-# Note [Counts given at fork]). So does a failed fork (the hooks cannot tell), and a
-# subprocess with ``preexec_fn`` (it runs the hooks, then exec drops the views; its
-# named counts go back when it ends).
+# A process gives back what it still holds when it exits (``_release_all``, also in a fork child, which exits without
+# a garbage collection): its views word through ``Segment.disown()``, its block counts, its named counts.
+#
+# Not covered: a process killed by SIGKILL keeps a views word or block count up: that memory is never reused (named
+# counts go back through the daemon: shm_manager Note [Counts given at fork]). So does a failed fork (the hooks
+# cannot tell), and a subprocess with ``preexec_fn`` (it runs the hooks, then exec drops the views; its named counts
+# go back when it ends).
 _fork_counted: tuple = ((), (), ())
 
 
@@ -399,21 +393,23 @@ BORN_SHARED, BORN_PRIVATE, PRIVATIZED = 0, 1, 2
 
 # Note [own arrays]
 # ~~~~~~~~~~~~~~~~~
-# Invariant: an array this process received as a copy (an unshared array its sender copied into a segment for the
-# message, a launch or a transport) or as a moved result (_alloc Note [moving results]) is this process's own, as
-# the stdlib's unpickling would make it: ``segment_of`` does not see it (nor any view of it), so sending it on sends
-# a copy, and a fork child gets it copy-on-write; only memory the program shared on purpose (empty_shared,
-# share_memory, shared_allocation, and what arrives from those) travels as a handle. Why: such an array is a view
-# of a segment no other process writes, but a handle to it would let the next receiver write into it (a Pool
-# result handed to a later task came back changed). How: the receiver's rebuild (``own``) records the buffer
-# export at the root of the array's bases (a memoryview of the segment, made for that array or arena block: numpy
-# collapses chains of array bases, so no marker array could stay between), and ``segment_of`` stops at one it
-# finds recorded; sending it again costs one copy, as the stdlib's pickle does. Before a fork (``_before_fork``,
-# ahead of the counts of Note [fork]) each segment under a live own export is moved into private memory at the
-# same address, as _alloc privatizes born-private allocations (a named one gives its count back first, through the
-# file: this process's views word, given back by the move, keeps the segment from reuse until then), so the child
-# inherits it copy-on-write and counts nothing. Not covered, shared with a fork child: an own array in an arena block
-# (a lowered inline threshold: the arena may hold shared blocks too), and one whose copy found no memory.
+# Invariant: an array this process received as a copy (of an unshared array, for a message, a launch or a transport)
+# or as a moved result (_alloc Note [moving results]) is its own, as from the stdlib's unpickling: ``segment_of``
+# sees neither it nor its views, so sending it on sends a copy, and a fork child gets it copy-on-write. Only memory
+# shared on purpose (empty_shared, share_memory, shared_allocation, and what arrives from those) travels as a handle.
+#
+# Why: such an array is a view of a segment no other process writes, but a handle to it would let the next receiver
+# write into it (a Pool result handed to a later task came back changed).
+#
+# How: the receiver's rebuild (``own``) records the buffer export at the root of the array's bases (a memoryview of
+# the segment made for that array or block: numpy collapses chains of bases, so no marker array could stay between),
+# where ``segment_of`` stops. Before a fork (``_before_fork``, ahead of Note [fork]'s counts) each segment under a
+# live own export moves into private memory at the same address, as _alloc privatizes born-private allocations (a
+# named one gives its count back first, through the file, the views word keeping it from reuse): the child inherits
+# it copy-on-write and counts nothing.
+#
+# Not covered, shared with a fork child: an own array in an arena block (a lowered inline threshold: the arena may
+# hold shared blocks too), one whose copy found no memory.
 _own: dict[int, weakref.ref] = {}  # id -> the root exports of own arrays alive in this process
 
 

@@ -13,24 +13,23 @@ main]).
 
 Note [unguarded main]
 ~~~~~~~~~~~~~~~~~~~~~
-A spawn or forkserver child imports the main module again (as ``__mp_main__``)
-before it reads its function.  A script that calls ``spawn`` at its top level,
-without ``if __name__ == "__main__":``, calls it again there; the stdlib
-refuses to start processes then and the child exits with code 1, which the
-parent could only report as "terminated with exit code 1 before it could run
-its function".  So ``start_processes``, called while the process imports the
-main module for a start (``current_process()._inheriting``, the flag the
-stdlib checks), raises a RuntimeError that names the guard, and writes it to
-the error file of this child, for the parent to raise as usual.  The child
-knows that file from its process name: the parent sends the name to the child
-before the main module (the one thing it sends first), so it appends the path
-(``_NAME_TAG``) for the start and takes it off again on both sides.  The
-fork server imports the main module itself as it starts (it preloads
-``__main__``), and such a script may end it there, before any child exists:
-our RuntimeError (or the stdlib's) goes to its stderr, and where the
-connection to the fork server is authenticated (3.13.x and 3.14 seen here;
-3.11.7's children fail instead) the start fails with a broken connection.  A forkserver start that fails so, with
-no child's error file, raises a RuntimeError that names the guard.
+Invariant: a script that calls ``spawn`` or ``start_processes`` at its top level, without ``if __name__ ==
+"__main__":``, fails in the parent with a RuntimeError that names the guard, never with a bare "terminated with exit
+code 1 before it could run its function".
+
+Why: a spawn or forkserver child imports the main module again (as ``__mp_main__``) before it reads its function, so
+such a script calls ``spawn`` again there; the stdlib refuses to start processes then and the child exits with code
+1. So ``start_processes``, called while the process imports the main module for a start
+(``current_process()._inheriting``, the flag the stdlib checks), raises a RuntimeError that names the guard and
+writes it to this child's error file, for the parent to raise as usual. The child knows that file from its process
+name: the parent sends the name before the main module (the one thing it sends first), so it appends the path
+(``_NAME_TAG``) for the start and takes it off again on both sides.
+
+The fork server imports the main module itself as it starts (it preloads ``__main__``), and such a script may end it
+there, before any child exists: our RuntimeError (or the stdlib's) goes to its stderr, and where the connection to
+the fork server is authenticated (3.13.x and 3.14 seen here; 3.11.7's children fail instead) the start fails with a
+broken connection. A forkserver start that fails so, with no child's error file, raises a RuntimeError that names the
+guard.
 """
 
 from __future__ import annotations

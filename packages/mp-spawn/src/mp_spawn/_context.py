@@ -7,25 +7,24 @@ finds, not only the first, each with the Python stack a fatal signal left
 (``faulthandler``) and whether the OOM killer sent a SIGKILL (``_errors``
 Note [OOM kills]); a failure terminates the others with SIGTERM, then
 SIGKILL; Ctrl-C in a blocking ``join`` is relayed to the children's process
-groups (Note [process groups] in ``_deathsig``).  The contexts of a process
+groups (Note [a session of its own] in ``_deathsig``).  The contexts of a process
 that are not finished yet are kept in ``_live_contexts``, which a failing
 child stops before it exits (``_child``).
 
 Note [waiting for exits]
 ~~~~~~~~~~~~~~~~~~~~~~~~
-``Process.sentinel`` of a fork or spawn child is the read end of a pipe whose
-write end the child holds; it turns readable when every copy of that end is
-closed.  ``os.fork`` copies every descriptor, so a daemon the child starts the
-classic way (fork, ``setsid``, fork: it leaves the child's group, and the group
-reaper lets it live) holds the pipe open: waiting on sentinels, ``join`` would
-return only when the daemon exits, where ``Process.join`` (``waitpid``)
-returns at once.  So ``join`` waits on a pidfd of each child, readable when
-the child itself exits.  An unreaped child keeps its pid, so the pidfd cannot
-name a stranger.  A forkserver child is the fork server's: its sentinel is a
-pipe the fork server writes the exit code into, which is right as it is.
-Where there are no pidfds (Linux < 5.3, seccomp), a thread per child blocks in
-``waitid(WNOWAIT)`` (which reaps nothing) and then writes a byte into a pipe:
-data, unlike the end of a pipe, cannot be held back by an inherited copy.
+Invariant: ``join`` sees a child as ended when the child itself exits, as ``Process.join`` (``waitpid``) does, even
+while a daemon the child started (fork, ``setsid``, fork) still holds copies of its descriptors.
+
+Why: ``Process.sentinel`` of a fork or spawn child is the read end of a pipe whose write end the child holds; it
+turns readable when every copy of that end is closed. ``os.fork`` copies every descriptor, so a daemon the child
+starts the classic way (it leaves the child's group, and the group reaper lets it live) holds the pipe open: waiting
+on sentinels, ``join`` would return only when the daemon exits. So ``join`` waits on a pidfd of each child, readable
+when the child itself exits. An unreaped child keeps its pid, so the pidfd cannot name a stranger. A forkserver child
+is the fork server's: its sentinel is a pipe the fork server writes the exit code into, which is right as it is.
+Where there are no pidfds (Linux < 5.3, seccomp), a thread per child blocks in ``waitid(WNOWAIT)`` (which reaps
+nothing) and then writes a byte into a pipe: data, unlike the end of a pipe, cannot be held back by an inherited
+copy.
 """
 
 from __future__ import annotations
@@ -135,7 +134,7 @@ class ProcessContext:
         """Send ``signum`` to the process group of every child not yet joined.
 
         Each child leads a session of its own, so the terminal's Ctrl-C no
-        longer reaches it (Note [process groups] in ``_deathsig``).
+        longer reaches it (Note [a session of its own] in ``_deathsig``).
         """
         for index in self.sentinels.values():
             process = self.processes[index]

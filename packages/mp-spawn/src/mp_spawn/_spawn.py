@@ -37,18 +37,17 @@ children; what each child runs is ``_child``, the supervisor that joins them
 
 Note [starter threads]
 ~~~~~~~~~~~~~~~~~~~~~~
-``Process.start()`` for spawn and forkserver pickles the process object and
-writes it into a pipe the child reads only after its interpreter booted (and
-re-imported ``__main__``); with more than a pipe's worth of arguments each
-start waits for one child boot.  Starting every process from its own thread
-overlaps those waits.  But PR_SET_PDEATHSIG fires when the *thread* that
-forked the child exits (torch found its spawn children killed by SIGINT when
-its thread pool finished, and gave up on parallel spawn).  So a spawn starter
-thread stays alive, blocked in ``waitid(WNOWAIT)`` (which reaps nothing), until
-its child exits.  forkserver children are forked by the fork server, so their
-starter threads end at once.  fork children are started from the calling thread, one by one
-(fork is cheap, and forking from a helper thread would make every later fork
-warn about threads on Python >= 3.12).
+Invariant: a spawn child's starter thread lives until its child exits, blocked in ``waitid(WNOWAIT)`` (which reaps
+nothing), so PR_SET_PDEATHSIG never fires while the child lives; forkserver starter threads end at once, and fork
+children are started from the calling thread, one by one.
+
+Why: ``Process.start()`` for spawn and forkserver pickles the process object and writes it into a pipe the child
+reads only after its interpreter booted (and re-imported ``__main__``); with more than a pipe's worth of arguments
+each start waits for one child boot. Starting every process from its own thread overlaps those waits. But
+PR_SET_PDEATHSIG fires when the *thread* that forked the child exits (torch found its spawn children killed by SIGINT
+when its thread pool finished, and gave up on parallel spawn). forkserver children are forked by the fork server, so
+that cannot happen to them. fork is cheap, and forking from a helper thread would make every later fork warn about
+threads on Python >= 3.12.
 """
 
 from __future__ import annotations

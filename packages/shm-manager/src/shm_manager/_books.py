@@ -13,42 +13,36 @@ watched child's death what it was given (``_child_ended``).
 
 Note [Booked counts]
 ~~~~~~~~~~~~~~~~~~~~
-Every count the daemon may give back (take off a header, unlinking at zero)
-is on its books, and it books only counts that are in the header and not
-booked yet. A count a process holds on its own word (``H``; ``A`` or ``C``
-before their ``T`` or ``G``) is booked when the name carries its pid (its
-maker tells before making the file), or when the header holds more counts
-than the books (holds and given counts): one per process and name at a time.
-A ``T`` or ``G`` moves the count of a booked ``A`` or ``C`` that came first;
-otherwise it is booked (or completes a waiting ``A`` or ``C`` not booked)
-only for a count beyond the books; a ``G`` only from the child's parent (its
-ppid and start time while it lives, or is a zombie; once it is gone, a
-process started before it), once per child and name. So a frame announcing a
-count nobody added, or one booked already, books nothing, and its sender's
-end gives nothing back. What is left: processes add counts in shared memory,
-so the daemon cannot tell who added one not yet booked (a message's
-in-flight count before its reader takes it over, a Pool's kept count):
-another process's frame may book it, and its owner then holds it unbooked
-(its end gives nothing back, its group's end does). Closing that needs every
+Invariant: every count the daemon may give back (take off a header, unlinking at zero) is on its books, and it books
+only counts that are in the header and not booked yet: a frame announcing a count nobody added, or one booked
+already, books nothing, and its sender's end gives nothing back.
+
+How: a count a process holds on its own word (``H``; ``A`` or ``C`` before their ``T`` or ``G``) is booked when the
+name carries its pid (its maker tells before making the file), or when the header holds more counts than the books
+(holds and given counts): one per process and name at a time. A ``T`` or ``G`` moves the count of a booked ``A`` or
+``C`` that came first; otherwise it is booked (or completes a waiting ``A`` or ``C`` not booked) only for a count
+beyond the books; a ``G`` only from the child's parent (its ppid and start time while it lives, or is a zombie; once
+it is gone, a process started before it), once per child and name.
+
+Not covered: processes add counts in shared memory, so the daemon cannot tell who added one not yet booked (a
+message's in-flight count before its reader takes it over, a Pool's kept count): another process's frame may book it,
+and its owner then holds it unbooked (its end gives nothing back, its group's end does). Closing that needs every
 count booked by the process that adds it, as it adds it.
 
 Note [Counts given at fork]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A fork child inherits its parent's views of named segments, and the parent
-takes the child's counts before the fork (mp_reductions Note [fork]). A child
-that told the daemon itself (``H``) would leave those counts up for good if it
-were killed first (a Pool's replacement worker killed at once). So the parent,
-right after the fork, gives them to the child by pid: ``G pid:start:name``,
-on its own connection; the daemon watches the child (a pidfd) and gives every
-count it was given back when the child dies unclaimed. The child claims its
-counts on its own connection (``C start:name``, its pid from the socket's
-credentials): a claim moves a given count to the connection's holds, which go
-back at its EOF, as any hold. The two frames come on two sockets, in either
-order: a claim that finds nothing given yet waits for its ``G`` (a hold
-meanwhile where Note [Booked counts] books it), which it then absorbs (kept
-``_CLAIM_KEEP`` seconds), and a child's
-given counts go back only once it is dead *and* every connection of it was
-read to its end (its claims sent before its death are taken first)::
+Invariant: the counts a fork child inherits on named segments go back when it dies, even killed before it ran a line:
+the parent gives them to the child by pid (``G pid:start:name``, on its own connection, right after the fork), and
+the daemon gives back every given count the child did not claim once the child is dead *and* every connection of it
+was read to its end.
+
+Why: the parent takes the child's counts before the fork (mp_reductions Note [fork]); a child that told the daemon
+itself (``H``) would leave them up for good if it were killed first (a Pool's replacement worker killed at once). The
+daemon watches the child (a pidfd). The child claims its counts on its own connection (``C start:name``, its pid from
+the socket's credentials): a claim moves a given count to the connection's holds, which go back at its EOF, as any
+hold. The two frames come on two sockets, in either order: a claim that finds nothing given yet waits for its ``G``
+(a hold meanwhile where Note [Booked counts] books it), which it then absorbs (kept ``_CLAIM_KEEP`` seconds). Claims
+the child sent before its death are taken first::
 
     parent --G pid:start:name--> daemon: given[child][name] += 1, watch pidfd(child)
     child  --C start:name------> daemon: given -> holds[conn]   (or a claim that waits for G)
@@ -56,32 +50,22 @@ read to its end (its claims sent before its death are taken first)::
 
 Note [Counts sent to a reader]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A message naming a named segment carries one in-flight count, which its
-sender adds to the header before it sends and its reader takes over. A sender
-killed between the two (a Pool worker between its result's count and its
-send) left that count up until the group ended. So a sender whose reader says
-when it has read all it will ever read from it (a Pool's worker: its pool
-reads every result a dead worker sent before it settles the death) tells the
-daemon of each such count, ``T reader:name``, in the same call that adds it
-(the frame ready and the socket drained first: the count, then one ``send``),
-and before the message goes. The reader takes the count over on its own
-connection (``A sender:name``: a hold of the connection from then on; ``D``
-where it maps the segment already and gives the count back itself). The two
-come on two sockets, in either order: the second matches the first. The
-reader says when it will take nothing more from a sender (``S sender``, once
-the sender is dead or gone); whatever that sender told and the reader never
-took goes back then, once every connection of the sender has been read to its
-end (its ``T`` frames are all in). A ``T`` to a reader already done with its
-sender (the sender's connection accepted only after the ``S``: it connected,
-told and died between two reads of the daemon's) goes back at once. A sender
-whose message failed takes its count back through the daemon (``V
-reader:name``). A ``T`` costs the daemon one read of the header (Note
-[Booked counts]) and two dictionary updates. What is left: a sender killed in
-the microseconds between its count and its ``send``::
+Invariant: an in-flight count (one per message naming a named segment, added by its sender before it sends, taken
+over by its reader) that the reader never took goes back once the reader says it will take nothing more from that
+sender (dead or gone), but for a sender killed in the microseconds between adding it and its ``send``.::
 
     sender --T reader:name--> daemon: sent[sender, reader][name] += 1    (or matches a take)
     reader --A sender:name--> daemon: sent -> holds[conn]                (or waits for its T)
     reader --S sender-------> daemon: once no connection of the sender is left, sent[sender, reader] back
+
+A sender whose reader says when it has read all it will ever read from it (a Pool's worker: its pool reads every
+result a dead worker sent before settling the death) sends the ``T`` in the call that adds the count (the frame ready
+and the socket drained first: the count, then one ``send``). ``T`` and ``A`` come on two sockets, in either order:
+the second matches the first. ``D`` replaces ``A`` where the reader maps the segment already and gives the count back
+itself. ``S`` gives back only once every connection of the sender was read to its end (its ``T`` frames all in); a
+``T`` to a reader already done with its sender (connected, told and died between two reads of the daemon's) goes back
+at once; a failed message's count, by ``V reader:name``. A ``T`` costs the daemon one header read (Note [Booked
+counts]) and two dictionary updates.
 """
 
 from __future__ import annotations

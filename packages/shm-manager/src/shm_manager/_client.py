@@ -63,13 +63,15 @@ class _Conn:
 class _Lock:
     """The lock over the connections, and the releases that arrived while this thread held it.
 
-    Note [release from a collection]: a garbage collection can run inside any
-    allocation, also while this thread holds the lock (in register, say), and
-    free a named segment whose ``__del__`` calls release(). Taking the lock
-    again would hang; touching the connection then would interleave with the
-    half-done change of the holder (its pending bytes, its holds being sent on
-    a reconnect). So such a release is only queued, and the holder makes it,
-    in full, before it lets the lock go.
+    Note [release from a collection]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    Invariant: a release() on a thread that holds the lock already neither takes the lock nor touches a connection:
+    it is queued in ``deferred``, and the holder makes it, in full, before it lets the lock go.
+
+    Why: a garbage collection can run inside any allocation, also while this thread holds the lock (in register,
+    say), and free a named segment whose ``__del__`` calls release(). Taking the lock again would hang; touching the
+    connection then would interleave with the half-done change of the holder (its pending bytes, its holds being sent
+    on a reconnect).
     """
 
     def __init__(self):

@@ -24,23 +24,20 @@ program's startup sweep or ``shm-manager gc`` removes what is left.
 
 Note [Daemon input]
 ~~~~~~~~~~~~~~~~~~~
-A frame is ``<u32 length><op><name>``: a name, never a path. The daemon acts
-only inside the one directory it was started for (``--dir``), through a
-descriptor of it, only on names of its own group's pattern (no ``/``), and
-only on regular files owned by its uid, opened with ``O_NOFOLLOW``; it unlinks
-with ``unlinkat`` on that descriptor. A connection from another uid is closed
-at once; refusals are logged at most once per ``_REFUSAL_INTERVAL``, and the
-log is capped (``_paths.log``).
+Invariant: the daemon opens and unlinks only regular files owned by its uid, with names of its own group's pattern
+(no ``/``), inside the one directory it was started for (``--dir``), and serves only connections of its uid.
 
-The counts the daemon gives back (Note [Booked counts], Note [Counts given at
-fork], Note [Counts sent to a reader]) are its books: ``_books``.
+A frame is ``<u32 length><op><name>``: a name, never a path. The daemon acts through a descriptor of its directory,
+opens with ``O_NOFOLLOW`` and unlinks with ``unlinkat`` on that descriptor. A connection from another uid is closed
+at once; refusals are logged at most once per ``_REFUSAL_INTERVAL``, and the log is capped (``_paths.log``).
 
-Start-up: the first process binds and listens in a forked grandchild, reports
-over a pipe and exits, so the caller's ``wait()`` returns once the address
-accepts connections and the daemon is nobody's child (no zombie, own session).
-A second daemon for the same group finds the socket answering and exits; a
-socket nobody answers on (its daemon was killed) is replaced, under an flock of
-the runtime directory so that two starting daemons do not both replace it.
+The counts the daemon gives back (Note [Booked counts], Note [Counts given at fork], Note [Counts sent to a reader])
+are its books: ``_books``.
+
+Start-up: the first process binds and listens in a forked grandchild, reports over a pipe and exits, so the caller's
+``wait()`` returns once the address accepts connections and the daemon is nobody's child (no zombie, own session). A
+second daemon for the same group finds the socket answering and exits; a socket nobody answers on (its daemon was
+killed) is replaced, under an flock of the runtime directory so that two starting daemons do not both replace it.
 """
 
 from __future__ import annotations

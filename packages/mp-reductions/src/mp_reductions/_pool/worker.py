@@ -22,10 +22,13 @@ What changed from the stdlib's, and why:
 - It exits when the pool's process is gone (it polls the parent's sentinel too: under fork a sibling holds
   every slot's writing end).
 
-Note [group]: workers join the parent's shm_manager group (its token is a worker argument), whatever the start
-method. A worker in a group of its own (a forkserver child, or a fork made before the parent joined a group)
-would leave its named segments to a daemon that unlinks them when the worker exits, while the parent still
-holds the results.
+Note [group]
+~~~~~~~~~~~~
+Invariant: every pool worker is a member of its parent's shm_manager group (its token is a worker argument), whatever
+the start method.
+
+Why: a worker in a group of its own (a forkserver child, or a fork made before the parent joined a group) would leave
+its named segments to a daemon that unlinks them when the worker exits, while the parent still holds the results.
 """
 
 from __future__ import annotations
