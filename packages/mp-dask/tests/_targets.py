@@ -105,3 +105,16 @@ def crash(a):
 
     os.kill(os.getpid(), signal.SIGSEGV)
     time.sleep(60)
+
+
+def full(n: int, value: float):
+    """A fresh array of ``n`` float32 (``n`` >= 16384: 64 KiB or more, a handle where handles go)."""
+    return np.full(n, value, np.float32)
+
+
+def claim_domain(domain: str) -> None:
+    """Make this process say ``domain`` is its shared-memory domain (in its handshakes and checks), as a
+    misconfigured node would: its own check then lets handles through that it cannot open."""
+    from mp_dask import _domain
+
+    _domain.domain = lambda: domain

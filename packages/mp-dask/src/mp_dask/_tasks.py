@@ -57,7 +57,7 @@ from mp_reductions import TaskTimeoutError, WorkerLostError, count, explain
 
 from . import _deaths, _script
 from ._timeouts import Limited, timed_out
-from ._transport import Shipped, dumps_for_pool
+from ._transport import DaskHandleError, Shipped, dumps_for_pool, receiver
 
 _CANCELLED = (concurrent.futures.CancelledError, asyncio.CancelledError)  # what a cancelled Dask future raises
 
@@ -95,6 +95,10 @@ def run(call: bytes, shipped: Shipped, token: str | None = None, limit: float | 
     """One task, on a worker: ``call`` is ``(star, func)`` pickled by ``dumps_for_pool``; ``limit``: its time
     limit in seconds, ``token`` its name for it (Note [Dask task timeouts])."""
     try:
+        if shipped.error is not None:  # its arguments could not be opened here (Note [Same-node transport])
+            if isinstance(shipped.error, DaskHandleError):
+                shipped.error.receiver = receiver()  # (unpickled on the event loop, which is not the worker's)
+            raise shipped.error
         star, func = pickle.loads(call)
         with Limited(token, limit):
             out = (True, star(func, shipped.value))
@@ -145,7 +149,10 @@ def _outcome(task) -> tuple[bool, object]:
     the task's future, and so that state, alive for good (and, were they our callers', the job sent again: its
     payload, the pool's result object and every result in it; seen)."""
     try:
-        return task.result().value
+        shipped = task.result()
+        if shipped.error is not None:  # its result could not be opened here (Note [Same-node transport])
+            return False, shipped.error
+        return shipped.value
     except BaseException as exc:  # cancelled, failed to run, or lost with a worker
         if isinstance(exc, (*_CANCELLED, KilledWorker)):
             exc.__traceback__ = None
