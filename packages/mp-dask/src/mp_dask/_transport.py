@@ -46,8 +46,14 @@ in shm_manager's _group.py): a segment lives while any process of the domain
 holds it, SIGKILL included. A task's arguments are sent *kept*: the pool keeps
 their counts until the task is done with or lost with its worker, which takes
 counts of its own (Note [kept counts] in mp_reductions' _reductions.py). A
-result that is lost (its sender or recipient killed before it was read) leaves
-its count until the creating group ends. A Shipped is serialized once per send: Dask moving a result makes one count per
+worker's results are sent *told* (``tell_counts``, to the pid its reader said
+in the handshake): a worker killed after it counted a result and before its
+reader took it left that count up until the worker's group ended, which for a
+LocalCluster is the program (issue 42, item 7). Each pool says
+``shm_manager.done_with`` for the workers it saw die once it has no task
+pending (its reads of what they sent are over), and at its close; the daemon
+then gives back what they told and it never took (Note [results told]). A
+Shipped is serialized once per send: Dask moving a result makes one count per
 copy sent. Received arrays are writable views; arrays under the inline
 threshold and everything sent as bytes go as Dask sends numpy arrays (pickle
 protocol 5, frames copied on arrival when read-only).
@@ -84,6 +90,7 @@ from mp_reductions import (
     message_copies,
     reduce_ndarray,
     set_sharing_strategy,
+    tell_counts,
 )
 
 from . import _domain, _script
@@ -211,7 +218,7 @@ def receiver() -> str:
 def _dumps(obj: Shipped, context=None):
     recipient = isinstance(context, dict) and "recipient" in context
     _count(**{"sends" if recipient else "sends_without_recipient": 1})
-    theirs, _ = _domain.peer(context)
+    theirs, reader = _domain.peer(context)
     mine = _domain.domain()
     handles = obj.same_node and mine is not None and theirs == mine  # Note [Same-node transport]
     if handles and get_sharing_strategy() != "file_system":
@@ -219,7 +226,12 @@ def _dumps(obj: Shipped, context=None):
     buffers: list = []
     f = io.BytesIO()
     held = obj.held if handles else None
-    counts = keep_counts(held) if held is not None else contextlib.nullcontext()  # Note [Counts over Dask]
+    if held is not None:
+        counts = keep_counts(held)  # a task's arguments (Note [Counts over Dask])
+    elif handles and reader is not None:
+        counts = tell_counts(reader)  # a result
+    else:
+        counts = contextlib.nullcontext()
     with message_copies() if handles else contextlib.nullcontext() as copy, counts:
         pickler = _Pickler(f, buffers, copy, obj.namespace)
         pickler.dump(obj.value)
