@@ -10,17 +10,15 @@ segment is left in any node's /dev/shm, nor in D.
 
 from __future__ import annotations
 
-import gc
 import os
 import shutil
 import sys
 import tempfile
-import time
 
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "tests")]  # nodes.py; _wait.py
 import nodes  # noqa: E402
 
 WHY_NOT = nodes.unavailable()
@@ -37,6 +35,7 @@ try:
     import dask
     import mp_dask
     import mp_reductions
+    from _wait import wait_until
     from mp_reductions import _recycle
 except BaseException:
     shutil.rmtree(SHM_DIR, ignore_errors=True)
@@ -55,16 +54,6 @@ WAIT = 120  # seconds a node's workers may take to start on a loaded machine
 
 def segments() -> list[str]:
     return sorted(n for n in os.listdir(SHM_DIR) if n.startswith("arraymp_"))
-
-
-def wait_until(pred, timeout: float, what: str) -> float:
-    t0 = time.monotonic()
-    while not pred():
-        if time.monotonic() - t0 > timeout:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        gc.collect()
-        time.sleep(0.05)
-    return time.monotonic() - t0
 
 
 def pytest_sessionfinish(session):

@@ -38,6 +38,8 @@ import subprocess
 import sys
 import time
 
+import psutil  # (a dependency of distributed)
+
 CLONE_NEWNS = 0x00020000
 MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 1 << 14, 1 << 18
 SHM_SIZE = "1g"
@@ -87,27 +89,12 @@ def _mount_ns(pid: int) -> str | None:
         return None
 
 
-def _parents() -> dict[int, int]:
-    found = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as fh:
-                    found[int(entry)] = int(fh.read().rsplit(b")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    return found
-
-
 def descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (children first)."""
-    parents, found, todo = _parents(), [], [pid]
-    while todo:
-        p = todo.pop()
-        kids = [c for c, pp in parents.items() if pp == p]
-        found += kids
-        todo += kids
-    return found
+    """Every live descendant of ``pid``."""
+    try:
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
 
 
 def _members(holder: int, private: bool) -> list[int]:
@@ -116,7 +103,7 @@ def _members(holder: int, private: bool) -> list[int]:
     found = set(descendants(holder))
     ns = _mount_ns(holder)
     if private and ns is not None:
-        found.update(p for p in _parents() if p != holder and _mount_ns(p) == ns)
+        found.update(p for p in psutil.pids() if p != holder and _mount_ns(p) == ns)
     found.discard(holder)
     return sorted(found)
 
