@@ -24,12 +24,12 @@ address; a handle names a file, and a count kept by pid, that only a process
 of the same directory and pid namespace can open and count. The domain is
 read per connection because Dask sends a result on the connection its reader
 opened, whose address names no listening process: a table by address (the
-scheduler's, ``DaskContext.shm_domains()``, which is for people) could not
-say who reads it. The receiver trusts nothing it reads: it checks the domain
-the message's header says its sender had against its own before it opens
-anything, then each handle as mp_reductions checks any (name, directory,
-header, size). A handle it still cannot open fails that task's future with
-``DaskHandleError`` and its cause, never the connection.
+scheduler's, ``DaskContext.shm_domains()``; a pool's of the workers of its
+domain) could not say who reads it. The receiver trusts nothing it reads: it
+checks the domain the message's header says its sender had against its own
+before it opens anything, then each handle as mp_reductions checks any
+(name, directory, header, size). A handle it still cannot open fails that
+task's future with ``DaskHandleError`` and its cause, never the connection.
 
 Note [Counts over Dask]
 ~~~~~~~~~~~~~~~~~~~~~~~
