@@ -12,11 +12,14 @@ import mp_dask
 import numpy as np
 import pytest
 from _work import doubled, stall_on, where_doubled
-from conftest import REMOTE, WAIT, wait_until
+from conftest import REMOTE, WAIT, WHY_NOT, wait_until
 
 ARRAYS = [np.full(1 << 20, i, np.float32) for i in range(12)]  # 4 MiB each: handles where handles may go
-# plain Dask's client.map(f, arrays), as users write it, puts the arrays in its graph and says so
-pytestmark = pytest.mark.filterwarnings("ignore:Sending large graph:UserWarning")
+pytestmark = [
+    pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT)),
+    # plain Dask's client.map(f, arrays), as users write it, puts the arrays in its graph and says so
+    pytest.mark.filterwarnings("ignore:Sending large graph:UserWarning"),
+]
 
 
 def test_each_node_publishes_its_own_domain(cluster):
@@ -42,7 +45,8 @@ def test_handles_within_a_node_bytes_across(cluster, front):
     else:
         with ctx.ProcessPoolExecutor(3) as ex:
             out = list(ex.map(where_doubled, ARRAYS))
-    mine, theirs = mp_dask.transfer_counters(), ctx.client.run(mp_dask.transfer_counters)
+    total, mine = ctx.transfer_counters(), mp_dask.transfer_counters()
+    theirs = ctx.client.run(mp_dask.transfer_counters)  # each worker's, by address
     plain = ctx.client.gather(ctx.client.map(doubled, ARRAYS, pure=False))  # plain Dask, on the same cluster
     for (_, got), want in zip(out, plain, strict=True):
         assert (got.dtype, got.shape) == (want.dtype, want.shape)
@@ -53,6 +57,8 @@ def test_handles_within_a_node_bytes_across(cluster, front):
     across = sum(ran[name] for name in REMOTE)
     assert (mine["handles_sent"], mine["inband_array_bytes"]) == (ran["local"], across * size), (mine, ran)
     assert mine["sends_without_recipient"] == 0, mine
+    # the context's sum: each argument and each result, a handle within the client's memory, bytes across
+    assert (total["handles_sent"], total["inband_array_bytes"]) == (2 * ran["local"], 2 * across * size), total
     local = theirs[workers["local"]]
     assert (local["handles_sent"], local["inband_array_bytes"]) == (ran["local"], 0), local
     for name in REMOTE:
