@@ -128,8 +128,8 @@ class DaskHandleError(RuntimeError):
     def __str__(self) -> str:
         return (f"{self.receiver} could not open the shared-memory handles that {self.sender} sent it: "
                 f"{self.cause}. arraymp sends arrays as handles only between processes of one shared-memory domain "
-                "(one /dev/shm and pid namespace); give them the same ones (docker: --ipc host --pid host, or "
-                "one /dev/shm volume; see docs/dask.md), or send bytes: get_context('dask', same_node=False)")
+                "(one /dev/shm and pid namespace); give them the same ones (docker: --ipc host, or one /dev/shm "
+                "volume, and --pid host; see docs/dask.md), or send bytes: get_context('dask', same_node=False)")
 
     def __reduce__(self):
         return type(self), (self.receiver, self.sender, self.cause)
