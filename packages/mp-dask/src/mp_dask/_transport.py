@@ -9,14 +9,27 @@ in a ``Shipped``, whose Dask serializer picks the transport per message::
     client <--Shipped(result)-- worker        named segments (a name, a few dozen bytes); else, or no
                                               recipient (spilling): pickle-5 frames
 
+Arrays under the inline threshold, and everything sent as bytes, go as Dask
+sends numpy arrays: pickle protocol 5, frames copied on arrival when
+read-only. Received arrays are writable. What a peer sends is unpickled, as
+Dask unpickles everything its comms carry (its trust model: every process of
+the cluster is the user's). A task's arguments carry its function too, and a
+pool's name: the script's functions in them are rebuilt over that pool's
+namespace on the worker (Note [Script namespaces] in _script.py); results go
+back as cloudpickle sends them. Counters (this process;
+``DaskContext.transfer_counters`` sums a cluster): ``handles_sent``,
+``inband_array_bytes`` (array data that went as bytes), ``sends`` (messages
+with a recipient), ``sends_without_recipient``.
+
 Note [Same-node transport]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
-An array travels as a handle only to a recipient whose shared-memory domain
-(_domain.py: boot id; the segment directory's device, inode and path; uid;
-pid namespace), as that recipient said it in the handshake of the connection
-the message goes on, equals its sender's, and only with ``same_node=True``;
-everything else goes as Dask's bytes. ``transfer_counters()`` shows it:
-``handles_sent`` counts the one, ``inband_array_bytes`` the other.
+Invariant: an array travels as a handle only to a recipient whose
+shared-memory domain (_domain.py: boot id; the segment directory's device,
+inode and path; uid; pid namespace), as that recipient said it in the
+handshake of the connection the message goes on, equals its sender's, and
+only with ``same_node=True``; everything else goes as Dask's bytes.
+``transfer_counters()`` shows it: ``handles_sent`` counts the one,
+``inband_array_bytes`` the other.
 
 Why: an address says where a process listens, not what memory it sees. A
 container with a /dev/shm of its own on the host's network has the host's
@@ -33,41 +46,28 @@ task's future with ``DaskHandleError`` and its cause, never the connection.
 
 Note [Counts over Dask]
 ~~~~~~~~~~~~~~~~~~~~~~~
-An array sent as a handle goes through ``mp_reductions.reduce_ndarray`` under
-the ``file_system`` strategy (descriptors cannot cross TCP: a process that
-sends handles over Dask uses ``file_system`` from then on): one already in a
-named segment travels as its handle, any other is copied once into a recycled
-segment (``mp_reductions.message_copies``: a Pool's next map copies into
-memory already faulted in, which is most of its speed), the receiver's own.
-A handle carries one in-flight count that its receiver takes over (Note
-[named segments] in mp_reductions' _shared.py), through the segment's group
-daemon even when the segment is another program's (Note [Holds across groups]
-in shm_manager's _group.py): a segment lives while any process of the domain
-holds it, SIGKILL included. A task's arguments are sent *kept*: the pool keeps
-their counts until the task is done with or lost with its worker, which takes
-counts of its own (Note [kept counts] in mp_reductions' _reductions.py). A
+Invariant: each in-flight count a handle sent over Dask carries is taken over
+by its reader or given back once the reader can no longer read it. A task's
+arguments are sent *kept*: the pool holds their counts until the task is done
+with or lost, and the worker takes counts of its own (Note [kept counts]). A
 worker's results are sent *told* (``tell_counts``, to the pid its reader said
-in the handshake): a worker killed after it counted a result and before its
-reader took it left that count up until the worker's group ended, which for a
-LocalCluster is the program (issue 42, item 7). Each pool says
-``shm_manager.done_with`` for the workers it saw die once it has no task
-pending (its reads of what they sent are over), and at its close; the daemon
-then gives back what they told and it never took (Note [results told]). A
-Shipped is serialized once per send: Dask moving a result makes one count per
-copy sent. Received arrays are writable views; arrays under the inline
-threshold and everything sent as bytes go as Dask sends numpy arrays (pickle
-protocol 5, frames copied on arrival when read-only).
+in the handshake: Note [results told]), and each pool says
+``shm_manager.done_with`` for the workers of its domain it saw die, once none
+of its tasks is pending (its reads of what they sent are over) and at its
+close. So a worker killed after it counted a result and before its reader
+took it leaves nothing once the pool is done with it (it left the count until
+the worker's group ended: a LocalCluster's is the program).
 
-What a peer sends is unpickled, as Dask unpickles everything its comms carry
-(its trust model: every process of the cluster is the user's).
-
-A task's arguments carry its function too, and a pool's name: the script's
-functions in them are rebuilt over that pool's namespace on the worker (Note
-[Script namespaces] in _script.py); results go back as cloudpickle sends them.
-
-Counters (this process; ``DaskContext.transfer_counters`` sums a cluster):
-``handles_sent``, ``inband_array_bytes`` (array data that went as bytes),
-``sends`` (messages with a recipient), ``sends_without_recipient``.
+How: a handle goes through ``mp_reductions.reduce_ndarray`` under the
+``file_system`` strategy (descriptors cannot cross TCP: a process that sends
+handles over Dask uses it from then on); an array already in a named segment
+travels as its handle, any other is copied once into a recycled segment
+(``message_copies``: a Pool's next map copies into memory already faulted
+in), the receiver's own. The receiver holds its count through the segment's
+group daemon, also for another program's segment (Note [Holds across
+groups]). Dask moving a result makes one count per copy sent. Not covered:
+another pool of the same process reading from a worker as it dies, while
+this one says ``done_with``: that read takes a count already given back.
 """
 
 from __future__ import annotations
