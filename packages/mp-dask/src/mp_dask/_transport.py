@@ -59,13 +59,12 @@ took it leaves nothing once the pool is done with it (it left the count until
 the worker's group ended: a LocalCluster's is the program).
 
 How: a handle goes through ``mp_reductions.reduce_ndarray`` under the
-``file_system`` strategy (descriptors cannot cross TCP: a process that sends
-handles over Dask uses it from then on); an array already in a named segment
-travels as its handle, any other is copied once into a recycled segment
-(``message_copies``: a Pool's next map copies into memory already faulted
-in), the receiver's own. The receiver holds its count through the segment's
-group daemon, also for another program's segment (Note [Holds across
-groups]). Dask moving a result makes one count per copy sent. Not covered:
+``file_system`` strategy (descriptors cannot cross TCP); an array already in
+a named segment travels as its handle, any other is copied once into a
+recycled segment (``message_copies``), the receiver's own. The receiver holds
+its count through the segment's group daemon, also for another program's
+segment (Note [Holds across groups]). Dask moving a result makes one count
+per copy sent. Not covered:
 another pool of the same process reading from a worker as it dies, while
 this one says ``done_with``: that read takes a count already given back.
 """
@@ -222,7 +221,7 @@ def _dumps(obj: Shipped, context=None):
     mine = _domain.domain()
     handles = obj.same_node and mine is not None and theirs == mine  # Note [Same-node transport]
     if handles and get_sharing_strategy() != "file_system":
-        set_sharing_strategy("file_system")  # Note [Counts over Dask]
+        set_sharing_strategy("file_system")  # descriptors cannot cross TCP: named segments from now on
     buffers: list = []
     f = io.BytesIO()
     held = obj.held if handles else None
