@@ -26,7 +26,7 @@ UNCONVERTED = {
     "kept counts", "results told",  # mp-reductions _message.py
     "stats", "sharing stopped",  # mp-reductions _stats.py
     "Dask deaths explained", "Script namespaces", "Lost workers",  # mp-dask
-    "Dask task timeouts", "Same-node transport",  # mp-dask
+    "Dask task timeouts",  # mp-dask
 }
 
 spec = importlib.util.spec_from_file_location("mkdocs_hooks", ROOT / "mkdocs_hooks.py")

@@ -26,7 +26,7 @@ from ._arrays import empty_shared, message_copies, share_memory, zeros_shared
 from ._chunks import executor_map
 from ._connection import Connection, Pipe
 from ._deaths import RSS_INTERVAL, OomCounter, explain, resident
-from ._message import counts_kept, give_back_counts, keep_counts
+from ._message import counts_kept, give_back_counts, keep_counts, tell_counts
 from ._pool import (
     GRACE,
     ApplyResult,
@@ -113,6 +113,7 @@ __all__ = [
     "set_sharing_strategy",
     "share_memory",
     "shared_allocation",
+    "tell_counts",
     "track_progress",
     "stats",
     "zeros_shared",

@@ -35,7 +35,9 @@ and says so (``drop_from``). A message not sent gives its counts back through
 the daemon (``take_back``). The pool says ``done_with(pid)`` once it has read
 all a dead worker sent (_pool Note [lost tasks]), and the daemon gives back
 what that worker told and the pool never took (shm_manager Note [Counts sent
-to a reader]). Left: a worker killed in the microseconds between its count
+to a reader]). mp-dask's workers pickle their results for Dask's comms under
+``tell_counts(reader)`` the same way, and its pools say ``done_with`` for the
+workers they saw die. Left: a worker killed in the microseconds between its count
 and that ``send``. Where no daemon can be told, the count is added as for any
 message; a copy segment's handle names its sender before that is known, and
 the reader's take of an untold count is a hold the daemon never gives back
@@ -379,6 +381,19 @@ def keep_counts(held: list):
         yield
     finally:
         tls.held = saved
+
+
+@contextlib.contextmanager
+def tell_counts(reader: int):
+    """Pickle (for a transport not ours: Dask's comms) a message to the process ``reader`` (a pid of this pid
+    namespace) with the in-flight count of each named segment it names told to the daemon as sent to ``reader``:
+    once ``reader`` says it is done with this process (``shm_manager.done_with``), the counts it never took go
+    back, this process dead or alive (Note [results told])."""
+    saved, tls.to = tls.to, reader
+    try:
+        yield
+    finally:
+        tls.to = saved
 
 
 @contextlib.contextmanager

@@ -216,6 +216,8 @@ def _close_dups(table: dict) -> None:
 
 
 def _named_ref_alone(seg):
+    if tls.held is None and tls.to is not None and shm_manager.send_to(tls.to, seg.name, seg.dir, seg.incref):
+        return ("n", seg.name, seg.dir, os.getpid())  # in flight, told (tell_counts: Note [results told])
     seg.incref()  # in flight; the receiver takes it over, unless this process keeps it (keep_counts)
     if tls.held is not None:
         tls.held.append(seg)
