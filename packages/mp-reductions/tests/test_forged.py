@@ -21,6 +21,7 @@ from multiprocessing import reduction
 from pathlib import Path
 
 import _targets
+import _views
 import mp_reductions as mpr
 import numpy as np
 import pytest
@@ -601,6 +602,14 @@ def test_a_replayed_named_handle_is_named_as_a_cause():
         p.start()
         p.join(60)
         assert p.exitcode == 0
+        # the child's counts go back through the daemon, which reads its frames when it gets to them: the segment
+        # goes once it has (sending before then would add a count to a segment that the replay has not emptied yet)
+        seg = _views.segment_under(a)
+        path = os.path.join(seg.dir, seg.name)
+        deadline = time.monotonic() + 30
+        while os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not os.path.exists(path), "the replayed count was never given back"
         out = mpr.Queue()
         p = ctx.Process(target=_targets.load_and_report, args=(bytes(reduction.ForkingPickler.dumps(a)), out))
         p.start()
