@@ -446,6 +446,91 @@ def test_fresh_big_results_move_without_a_copy(method):
 # What CPython's test_concurrent_futures asks of the executor (issue 41 item 4: nox -s futures_suite-3.X), as a
 # program meets it: the same calls on the stdlib's executor and on ours end the same way.
 
+def exit_now(code):
+    sys.exit(code)
+
+
+def _exit_one():
+    sys.exit(1)
+
+
+class ExitAtPickle:
+    def __reduce__(self):
+        sys.exit(2)  # in the worker, while its result is pickled
+
+
+class ExitAtUnpickle:
+    def __reduce__(self):
+        return _exit_one, ()  # in the caller, while its result is unpickled
+
+
+class ErrorAtPickle:
+    def __reduce__(self):
+        import pickle
+
+        raise pickle.PicklingError("not this one")
+
+
+def returning(kind):
+    return {"exit at pickle": ExitAtPickle, "error at pickle": ErrorAtPickle, "exit at unpickle": ExitAtUnpickle,
+            "lock": __import__("threading").Lock}[kind]()
+
+
+def outcome(future):
+    try:
+        return "result", future.result(TIMEOUT)
+    except concurrent.futures.process.BrokenProcessPool:
+        return "broken", None
+    except BaseException as e:
+        return type(e).__name__, getattr(e, "code", None)
+
+
+def executors(method):
+    return [(name, make(2, mp_context=ctx)) for name, make, ctx in [
+        ("stdlib", concurrent.futures.ProcessPoolExecutor, multiprocessing.get_context(method)),
+        ("arraymp", mp.ProcessPoolExecutor, mp.get_context(method))]]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_calls_systemexit_and_a_results_pickling_error_are_its_own_as_the_stdlibs(method):
+    # issue 41: sys.exit() in a call, or a SystemExit while its result is pickled, broke our executor; a result
+    # that could not be pickled raised MaybeEncodingError, which code catching PicklingError misses
+    got = {}
+    for name, ex in executors(method):
+        with ex:
+            fs = [ex.submit(exit_now, 3), ex.submit(returning, "exit at pickle"),
+                  ex.submit(returning, "error at pickle"), ex.submit(returning, "lock")]
+            got[name] = [outcome(f) for f in fs] + [outcome(ex.submit(abs, -1))]  # and it goes on
+    assert got["arraymp"] == got["stdlib"] == [("SystemExit", 3), ("SystemExit", 2), ("PicklingError", None),
+                                                ("TypeError", None), ("result", 1)]
+
+
+UNPICKLE_EXIT = """
+import sys
+import arraymp as mp
+import concurrent.futures
+import test_executor as t
+
+cls = concurrent.futures.ProcessPoolExecutor if sys.argv[2] == "stdlib" else mp.ProcessPoolExecutor
+ctx = (mp if sys.argv[2] == "arraymp" else __import__("multiprocessing")).get_context(sys.argv[1])
+ex = cls(2, mp_context=ctx)
+print(t.outcome(ex.submit(t.returning, "exit at unpickle"))[0])
+try:
+    ex.submit(abs, 1)
+except concurrent.futures.process.BrokenProcessPool:
+    print("submit refused")
+"""  # and the interpreter exits, the executor never shut down
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_results_systemexit_while_unpickled_breaks_the_executor_and_the_program_still_exits(method):
+    # issue 41: the future stayed RUNNING, later calls never ran and the process hung at exit
+    for name in ("stdlib", "arraymp"):
+        out = subprocess.run([sys.executable, "-c", UNPICKLE_EXIT, method, name], capture_output=True, text=True,
+                             timeout=120, env=with_this_module())
+        assert (out.returncode, out.stdout.split("\n")) == (0, ["broken", "submit refused", ""]), (name, out.stderr)
+
+
 AT_EXIT_SUBMIT = """
 import atexit, sys
 
@@ -473,6 +558,56 @@ def test_a_submit_in_an_atexit_function_is_refused_as_the_stdlibs(method):
     assert out.returncode == 0, out.stderr
     refused = "cannot schedule new futures after interpreter shutdown"
     assert out.stdout.splitlines() == [f"after {refused}", f"before import {refused}"], out.stderr
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_an_executor_whose_closer_thread_cannot_start_still_shuts_down(method, monkeypatch):
+    # issue 41: at interpreter finalization no thread starts; the `with` exit raised RuntimeError, and every later
+    # shutdown "cannot join thread before it is started", the workers left running
+    import threading
+
+    start = threading.Thread.start
+
+    def refuse_the_closer(thread):
+        if thread.name == "ProcessPoolExecutor closer":
+            raise RuntimeError("can't create new thread at interpreter shutdown")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", refuse_the_closer)
+    with mp.ProcessPoolExecutor(2, mp_context=mp.get_context(method)) as ex:
+        fs = [ex.submit(_work.nap, 0.1) for _ in range(4)]
+        workers = list(ex._processes.values())
+    assert [f.result(0) for f in fs] == [0.1] * 4
+    ex.shutdown()
+    ex.shutdown(wait=False)
+    assert workers and all(w.exitcode is not None for w in workers)
+
+
+def log_to(queue):
+    import logging
+    import logging.handlers
+
+    logger = logging.getLogger("concurrent.futures")
+    logger.addHandler(logging.handlers.QueueHandler(queue))
+    logger.propagate = False
+    raise ValueError("error in initializer")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_failing_initializer_is_logged_to_the_concurrent_futures_logger(method):
+    import queue
+
+    ctx = mp.get_context(method)
+    logs = ctx.Queue()
+    with mp.ProcessPoolExecutor(1, mp_context=ctx, initializer=log_to, initargs=(logs,)) as ex:
+        with pytest.raises(concurrent.futures.process.BrokenProcessPool):
+            ex.submit(abs, 1).result(TIMEOUT)
+    record = logs.get(timeout=TIMEOUT)  # (QueueHandler puts the traceback in the message)
+    assert record.levelname == "CRITICAL" and record.getMessage().startswith("Exception in initializer:")
+    assert "ValueError: error in initializer" in record.getMessage()
+    with pytest.raises(queue.Empty):
+        logs.get(timeout=0.1)
+    logs.close()
 
 
 @pytest.mark.parametrize("method", METHODS)
