@@ -3,9 +3,9 @@ declares (siblings from their folders, not editable); plus the facade, lint,
 docs and release_check: ``nox`` runs these (README.md's test command, under 20
 minutes on 2 cores), on the interpreter that runs nox. By name only (CI runs
 them, .ci/run): ``tests-3.X`` (every suite on CPython 3.X), ``stdlib_suite-3.X``,
-``nonroot``, ``dask_nodes`` (mp-dask on separate nodes, as root), and bench and
-soak. ``nox -l`` lists them; a session whose interpreter is not installed is
-skipped with a message (.ci/pythons makes a root that has them).
+``futures_suite-3.X``, ``nonroot``, ``dask_nodes`` (mp-dask on separate nodes, as
+root), and bench and soak. ``nox -l`` lists them; a session whose interpreter is
+not installed is skipped with a message (.ci/pythons makes a root that has them).
 
 Our packages depend on each other by name and version range, and none of the
 names is ours on a public index: every install here names the sibling folders
@@ -219,17 +219,31 @@ def _end_user_processes(uid: int) -> None:
             pass
 
 
+def _cpython_suite(session: nox.Session, harness: str) -> None:
+    """Run ``python -m <harness>.run`` over arraymp installed from this checkout; skipped where the interpreter lacks
+    the tests it runs."""
+    missing = session.run("python", "-m", f"{harness}.run", "--missing", silent=True).strip()
+    if missing:
+        session.skip(missing)
+    session.install(*[f"packages/{name}" for name in ("shm-core", "shm-manager", "mp-reductions", "shm-cuda",
+                                                      "mp-spawn")], ".")
+    session.run("python", "-m", f"{harness}.run", *session.posargs)
+
+
 @nox.session(python=PYTHONS)
 def stdlib_suite(session):
     """CPython's own multiprocessing tests (the interpreter's test._test_multiprocessing) with arraymp's Queue,
     JoinableQueue, SimpleQueue, Pipe, Pool and get_context substituted, compared with the same tests on the stdlib,
     under spawn, fork and forkserver: see stdlib_suite/run.py. ``nox -s stdlib_suite -- --all``: every class."""
-    missing = session.run("python", "-m", "stdlib_suite.run", "--missing", silent=True).strip()
-    if missing:
-        session.skip(missing)
-    session.install(*[f"packages/{name}" for name in ("shm-core", "shm-manager", "mp-reductions", "shm-cuda",
-                                                      "mp-spawn")], ".")
-    session.run("python", "-m", "stdlib_suite.run", *session.posargs)
+    _cpython_suite(session, "stdlib_suite")
+
+
+@nox.session(python=PYTHONS)
+def futures_suite(session):
+    """CPython's own test_concurrent_futures (the interpreter's; its process pool classes) with arraymp's
+    ProcessPoolExecutor in place of the stdlib's, compared with the same tests on the stdlib's, under spawn, fork
+    and forkserver: see futures_suite/run.py."""
+    _cpython_suite(session, "futures_suite")
 
 
 @nox.session

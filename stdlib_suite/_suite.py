@@ -18,6 +18,15 @@ from test import _test_multiprocessing as T
 
 MODE = os.environ.get("ARRAYMP_SUITE_MODE", "stdlib")
 METHOD = os.environ.get("ARRAYMP_SUITE_METHOD", "spawn")
+# the "processes" flavour of the classes that touch queues, pipes, connections, pools, contexts and processes
+SELECTED = (
+    "WithProcessesTestProcess", "WithProcessesTestSubclassingProcess", "WithProcessesTestQueue",
+    "WithProcessesTestPool", "WithProcessesTestPoolWorkerErrors", "WithProcessesTestPoolWorkerLifetime",
+    "WithProcessesTestConnection", "WithProcessesTestListenerClient", "WithProcessesTestPoll",
+    "WithProcessesTestPicklingConnections", "WithProcessesTestPollEintr", "TestWait", "TestTimeouts",
+    "TestSimpleQueue", "TestPoolNotLeakOnFailure", "TestInitializers", "TestStartMethod", "TestIgnoreEINTR",
+    "TestCloseFds", "TestResourceTracker", "TestInvalidHandle", "MiscTestCase", "TestSubstituted",
+)
 
 
 class _Multiprocessing(types.ModuleType):
@@ -98,3 +107,5 @@ else:
     del TestSubstituted
 
 T.install_tests_in_module_dict(globals(), METHOD)
+ALL = [name for name, obj in list(globals().items())  # --all: every class installed here
+       if isinstance(obj, type) and issubclass(obj, unittest.TestCase) and obj.__module__ == __name__]

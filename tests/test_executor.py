@@ -441,3 +441,285 @@ def test_fresh_big_results_move_without_a_copy(method):
     with mp.ProcessPoolExecutor(1, mp_context=mp.get_context(method)) as ex:
         for a, where in [ex.submit(D.fresh, i).result(TIMEOUT) for i in range(3)] + list(ex.map(D.fresh, range(3))):
             assert where is not None and _work.segment_key(a) == where  # the worker's own segment: no copy
+
+
+# What CPython's test_concurrent_futures asks of the executor (issue 41 item 4: nox -s futures_suite-3.X), as a
+# program meets it: the same calls on the stdlib's executor and on ours end the same way.
+
+def exit_now(code):
+    sys.exit(code)
+
+
+def _exit_one():
+    sys.exit(1)
+
+
+class ExitAtPickle:
+    def __reduce__(self):
+        sys.exit(2)  # in the worker, while its result is pickled
+
+
+class ExitAtUnpickle:
+    def __reduce__(self):
+        return _exit_one, ()  # in the caller, while its result is unpickled
+
+
+class ErrorAtPickle:
+    def __reduce__(self):
+        import pickle
+
+        raise pickle.PicklingError("not this one")
+
+
+def returning(kind):
+    return {"exit at pickle": ExitAtPickle, "error at pickle": ErrorAtPickle, "exit at unpickle": ExitAtUnpickle,
+            "lock": __import__("threading").Lock}[kind]()
+
+
+def outcome(future):
+    try:
+        return "result", future.result(TIMEOUT)
+    except concurrent.futures.process.BrokenProcessPool:
+        return "broken", None
+    except BaseException as e:
+        return type(e).__name__, getattr(e, "code", None)
+
+
+def executors(method):
+    return [(name, make(2, mp_context=ctx)) for name, make, ctx in [
+        ("stdlib", concurrent.futures.ProcessPoolExecutor, multiprocessing.get_context(method)),
+        ("arraymp", mp.ProcessPoolExecutor, mp.get_context(method))]]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_calls_systemexit_and_a_results_pickling_error_are_its_own_as_the_stdlibs(method):
+    # issue 41: sys.exit() in a call, or a SystemExit while its result is pickled, broke our executor; a result
+    # that could not be pickled raised MaybeEncodingError, which code catching PicklingError misses
+    got = {}
+    for name, ex in executors(method):
+        with ex:
+            fs = [ex.submit(exit_now, 3), ex.submit(returning, "exit at pickle"),
+                  ex.submit(returning, "error at pickle"), ex.submit(returning, "lock")]
+            got[name] = [outcome(f) for f in fs] + [outcome(ex.submit(abs, -1))]  # and it goes on
+    assert got["arraymp"] == got["stdlib"] == [("SystemExit", 3), ("SystemExit", 2), ("PicklingError", None),
+                                                ("TypeError", None), ("result", 1)]
+
+
+UNPICKLE_EXIT = """
+import sys
+import arraymp as mp
+import concurrent.futures
+import test_executor as t
+
+cls = concurrent.futures.ProcessPoolExecutor if sys.argv[2] == "stdlib" else mp.ProcessPoolExecutor
+ctx = (mp if sys.argv[2] == "arraymp" else __import__("multiprocessing")).get_context(sys.argv[1])
+ex = cls(2, mp_context=ctx)
+print(t.outcome(ex.submit(t.returning, "exit at unpickle"))[0])
+try:
+    ex.submit(abs, 1)
+except concurrent.futures.process.BrokenProcessPool:
+    print("submit refused")
+"""  # and the interpreter exits, the executor never shut down
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_results_systemexit_while_unpickled_breaks_the_executor_and_the_program_still_exits(method):
+    # issue 41: the future stayed RUNNING, later calls never ran and the process hung at exit
+    for name in ("stdlib", "arraymp"):
+        out = subprocess.run([sys.executable, "-c", UNPICKLE_EXIT, method, name], capture_output=True, text=True,
+                             timeout=120, env=with_this_module())
+        assert (out.returncode, out.stdout.split("\n")) == (0, ["broken", "submit refused", ""]), (name, out.stderr)
+
+
+AT_EXIT_SUBMIT = """
+import atexit, sys
+
+def late(name):
+    try:
+        ex.submit(abs, -1)
+    except RuntimeError as e:
+        print(name, e, flush=True)
+
+atexit.register(late, "before import")
+import arraymp as mp
+import _work
+
+ex = mp.ProcessPoolExecutor(2, mp_context=mp.get_context(sys.argv[1]))
+atexit.register(late, "after")
+f = ex.submit(_work.nap, 0.3)
+"""
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_submit_in_an_atexit_function_is_refused_as_the_stdlibs(method):
+    # issue 41: one registered before our executor's module was imported ran before our exit hook, and was taken
+    out = subprocess.run([sys.executable, "-c", AT_EXIT_SUBMIT, method], capture_output=True, text=True, timeout=120,
+                         env=with_this_module())
+    assert out.returncode == 0, out.stderr
+    refused = "cannot schedule new futures after interpreter shutdown"
+    assert out.stdout.splitlines() == [f"after {refused}", f"before import {refused}"], out.stderr
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_an_executor_whose_closer_thread_cannot_start_still_shuts_down(method, monkeypatch):
+    # issue 41: at interpreter finalization no thread starts; the `with` exit raised RuntimeError, and every later
+    # shutdown "cannot join thread before it is started", the workers left running
+    import threading
+
+    start = threading.Thread.start
+
+    def refuse_the_closer(thread):
+        if thread.name == "ProcessPoolExecutor closer":
+            raise RuntimeError("can't create new thread at interpreter shutdown")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", refuse_the_closer)
+    with mp.ProcessPoolExecutor(2, mp_context=mp.get_context(method)) as ex:
+        fs = [ex.submit(_work.nap, 0.1) for _ in range(4)]
+        workers = list(ex._processes.values())
+    assert [f.result(0) for f in fs] == [0.1] * 4
+    ex.shutdown()
+    ex.shutdown(wait=False)
+    assert workers and all(w.exitcode is not None for w in workers)
+
+
+def log_to(queue):
+    import logging
+    import logging.handlers
+
+    logger = logging.getLogger("concurrent.futures")
+    logger.addHandler(logging.handlers.QueueHandler(queue))
+    logger.propagate = False
+    raise ValueError("error in initializer")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_failing_initializer_is_logged_to_the_concurrent_futures_logger(method):
+    import queue
+
+    ctx = mp.get_context(method)
+    logs = ctx.Queue()
+    with mp.ProcessPoolExecutor(1, mp_context=ctx, initializer=log_to, initargs=(logs,)) as ex:
+        with pytest.raises(concurrent.futures.process.BrokenProcessPool):
+            ex.submit(abs, 1).result(TIMEOUT)
+    record = logs.get(timeout=TIMEOUT)  # (QueueHandler puts the traceback in the message)
+    assert record.levelname == "CRITICAL" and record.getMessage().startswith("Exception in initializer:")
+    assert "ValueError: error in initializer" in record.getMessage()
+    with pytest.raises(queue.Empty):
+        logs.get(timeout=0.1)
+    logs.close()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_submit_starts_the_workers_it_needs_before_it_returns(method):
+    # as the stdlib's: one per call while none is idle (under fork all at the first submit), so they can be counted,
+    # or signalled, as soon as submit returns (CPython's test_saturation, test_killed_child); ours started later
+    with mp.ProcessPoolExecutor(3, mp_context=mp.get_context(method)) as ex:
+        assert ex.submit(_work.nap, 0).result(TIMEOUT) == 0
+        assert ex.submit(_work.nap, 0).result(TIMEOUT) == 0
+        assert len(ex._processes) == (3 if method == "fork" else 1)  # an idle worker takes the next call
+        for n in (1, 2, 3, 3):
+            ex.submit(_work.nap, 0.5)
+            assert len(ex._processes) == (3 if method == "fork" else n)
+
+
+def broken_submit(ex, kept):
+    """A caller's frame: its locals must go when it returns, the error raised in it caught there."""
+    try:
+        ex.submit(abs, 1)
+    except concurrent.futures.process.BrokenProcessPool:
+        return
+
+
+class Kept:
+    pass
+
+
+def keep_nothing(*args):
+    pass
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_what_the_caller_handed_or_held_goes_without_a_garbage_collection(method):
+    # CPython's FailingInitializerResourcesTest: an mp.Queue given as initargs lived on past shutdown until a garbage
+    # collection (its semaphores reported leaked by the resource tracker): the core's parts refer to each other, and
+    # the error a broken executor's submit raised sat in a local of submit's frame, which its traceback holds
+    import gc
+    import weakref
+
+    ctx = mp.get_context(method)
+    gc.disable()
+    try:
+        kept = Kept()
+        ref = weakref.ref(kept)
+        with mp.ProcessPoolExecutor(1, mp_context=ctx, initializer=keep_nothing, initargs=(kept,)) as ex:
+            assert ex.submit(abs, -1).result(TIMEOUT) == 1
+        del ex, kept
+        assert ref() is None
+        with mp.ProcessPoolExecutor(1, mp_context=ctx, initializer=fail_to_start) as ex:
+            with pytest.raises(concurrent.futures.process.BrokenProcessPool):
+                ex.submit(abs, 1).result(TIMEOUT)
+            kept = Kept()
+            ref = weakref.ref(kept)
+            broken_submit(ex, kept)
+            del kept
+            assert ref() is None
+    finally:
+        gc.enable()
+
+
+FINALIZED = """
+import multiprocessing.util, sys
+import arraymp as mp
+import _work
+
+ex = mp.ProcessPoolExecutor(1, mp_context=mp.get_context(sys.argv[1]))
+fs = [ex.submit(_work.nap, 5) for _ in range(3)]
+ex.shutdown(wait=False)
+multiprocessing.util._run_finalizers()  # what multiprocessing.util._cleanup_tests, a test suite's cleanup, runs
+print([type(f.exception(60)).__name__ for f in fs])
+"""  # and the interpreter exits
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_calls_whose_pool_multiprocessings_finalizers_ended_fail_and_the_program_exits(method):
+    # CPython's suite cleans up with multiprocessing.util._cleanup_tests, which runs every finalizer: our executor's
+    # core was torn down, its running calls never settled, and the closer thread, which waits for them, hung the
+    # interpreter's exit (the stdlib's breaks when its workers die)
+    out = subprocess.run([sys.executable, "-c", FINALIZED, method], capture_output=True, text=True, timeout=120,
+                         env=with_this_module())
+    assert (out.returncode, out.stdout) == (0, "['BrokenProcessPool', 'BrokenProcessPool', 'BrokenProcessPool']\n"), \
+        out.stderr
+
+
+FORKED = """
+import os, sys
+import arraymp as mp
+
+with mp.ProcessPoolExecutor(2, mp_context=mp.get_context("fork")) as ex:  # forked in submit, its lock held
+    assert ex.submit(abs, -1).result(60) == 1
+    pid = os.fork()  # a process of the program's own, forked while the executor runs
+    if pid == 0:
+        sys.exit(0)  # a normal exit: the interpreter's exit hooks run
+    assert os.waitpid(pid, 0)[1] == 0
+print("done")
+"""
+
+
+def test_processes_forked_while_an_executor_runs_exit():
+    # our exit hook runs in fork children too (threading's, as the stdlib's): it finished the parent's executors
+    # there, whose lock the fork may have copied held, and the workers hung at exit, and shutdown with them
+    out = subprocess.run([sys.executable, "-c", FORKED], capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout) == (0, "done\n"), out.stderr
+
+
+def test_terminate_and_kill_workers_go_through_force_shutdown_as_the_stdlibs(monkeypatch):
+    # code (CPython's tests among it) that patches the stdlib's _force_shutdown(operation=...) sees the same call
+    calls = []
+    with mp.ProcessPoolExecutor(1) as ex:
+        monkeypatch.setattr(ex, "_force_shutdown", lambda **kw: calls.append(kw))
+        ex.terminate_workers()
+        ex.kill_workers()
+    assert calls == [{"operation": "terminate"}, {"operation": "kill"}]
+    with mp.ProcessPoolExecutor(1) as ex, pytest.raises(ValueError, match="Unsupported operation: 'stop'"):
+        ex._force_shutdown(operation="stop")

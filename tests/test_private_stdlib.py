@@ -67,6 +67,9 @@ PRIVATE = [
     ("concurrent.futures.process", "_ExceptionWithTraceback(exc, tb)", "class we call", _WORKER,
      "read with a default (multiprocessing.pool's ExceptionWithTraceback): an executor call's error then has a "
      "RemoteTraceback of multiprocessing's as its cause, where code may look for concurrent.futures' own"),
+    ("threading", "_register_atexit(func)", "function we call", "mp_reductions/_pool/executor.py",
+     "read with a default (atexit.register): executors not shut down still finish their calls at exit, but an "
+     "atexit function registered after the executor was first used runs first and may still submit"),
     ("importlib.machinery.ModuleSpec", "_initializing", "attribute", "shm_cuda/_lazy.py",
      "read with a default: cupy's reducers could be registered while cupy is half imported"),
 ]

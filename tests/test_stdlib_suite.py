@@ -5,6 +5,8 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.pool
 import multiprocessing.queues
+import os
+import pathlib
 import subprocess
 import sys
 
@@ -79,3 +81,66 @@ def test_executor_with_max_tasks_per_child_picks_spawn_as_the_stdlibs():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["spawn", "arraymp._context", "[1,", "2]"]  # arraymp's spawn context, as mp's
+
+
+FAKE_SUITE = '''
+import os, time, unittest
+
+class T(unittest.TestCase):
+    def test_a_passes(self):
+        pass
+
+    def test_b_hangs_with_arraymp(self):
+        if os.environ["ARRAYMP_SUITE_MODE"] == "arraymp":
+            time.sleep(600)
+
+    def test_c_fails_with_arraymp(self):
+        for i in (1, 2):
+            with self.subTest(i=i):
+                self.assertTrue(os.environ["ARRAYMP_SUITE_MODE"] == "stdlib" or i == 1)
+
+    def test_d_differs_but_allowed(self):
+        self.assertEqual(os.environ["ARRAYMP_SUITE_MODE"], "stdlib")
+
+    def test_e_leaves_a_thread_that_never_ends_with_arraymp(self):
+        if os.environ["ARRAYMP_SUITE_MODE"] == "arraymp":
+            import threading
+
+            threading.Thread(target=time.sleep, args=(600,)).start()  # the interpreter's exit waits for it
+
+SELECTED = ALL = ["T"]
+if os.environ["ARRAYMP_SUITE_MODE"] == "arraymp":
+    class TestSubstituted(unittest.TestCase):
+        def test_ours(self):
+            self.fail("the objects under test are not ours")
+
+    SELECTED = ALL = ["T", "TestSubstituted"]
+'''
+
+
+def test_the_comparison_records_a_hang_and_goes_on_after_it(tmp_path):
+    # the runner both harnesses share (stdlib_suite/_runner.py), on a suite of six tests: a test still running past
+    # the suite's limit is a hang, the run resumes after it in a new process, a failing subtest fails its test, a
+    # test of the arraymp runs alone must pass, and so must the run's exit
+    repo = pathlib.Path(__file__).resolve().parent.parent
+    fake = tmp_path / "fake_suite"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("")
+    (fake / "_suite.py").write_text(FAKE_SUITE)
+    (fake / "allowed.txt").write_text("T.test_d_*: deliberate\n")
+    (fake / "run.py").write_text(
+        "import pathlib, sys\nfrom stdlib_suite._runner import Suite, main\n"
+        "SUITE = Suite('fake_suite', pathlib.Path(__file__).parent, 'fake_suite._suite', 'json', test_timeout=3)\n"
+        "sys.exit(main(SUITE, 'fake'))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(tmp_path)])}
+    out = subprocess.run([sys.executable, "-m", "fake_suite.run", "--methods", "fork", "--keep", str(tmp_path / "k")],
+                         capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "fork  arraymp: 2 pass, 3 fail, 0 skip, 1 hang" in out.stdout, out.stdout
+    assert "fork: allowed: T.test_d_differs_but_allowed (fail): deliberate" in out.stdout
+    differences = [line for line in out.stdout.splitlines() if "DIFFERENCE" in line]
+    assert differences == [
+        "fork: DIFFERENCE: (the run's exit) passes on the stdlib, not with arraymp:",
+        "fork: DIFFERENCE: T.test_b_hangs_with_arraymp passes on the stdlib, not with arraymp:",
+        "fork: DIFFERENCE: T.test_c_fails_with_arraymp passes on the stdlib, not with arraymp:",
+        "fork: DIFFERENCE: TestSubstituted.test_ours (arraymp's runs only) fails:"], out.stdout

@@ -99,6 +99,7 @@ class Core:
         self.shared_results, self.daemon, self.executor = bool(shared_results), bool(daemon), executor
         self.start_failures_allowed = 1 if executor else processes  # slots Note [start failures]
         self.lock = threading.Lock()
+        self.starting = threading.RLock()  # held while workers start: by the worker handler, or a front's grow
         self.broken: BaseException | None = None  # Note [helper threads], or the workers could not start
         self.cache = Cache(on_empty=self.wake)
         self.taskqueue: queue.SimpleQueue = queue.SimpleQueue()
@@ -163,10 +164,8 @@ class Core:
     def check_running(self) -> None:
         """Raise why no new work is taken: the pool broke, or it is closed (the stdlib's ValueError)."""
         broken = self.broken
-        if broken is not None:
-            error = type(broken)(*broken.args)
-            error.__cause__ = broken.__cause__
-            raise error
+        if broken is not None:  # (a new one, in no local: its traceback would hold this frame in a cycle)
+            raise type(broken)(*broken.args) from broken.__cause__
         if self.state != RUN:
             raise ValueError("Pool not running")
 
@@ -190,13 +189,17 @@ class Core:
                 return
 
     def repopulate(self) -> None:
-        """Start a worker for each active slot that has none (none once the pool is broken)."""
+        """Start a worker for each active slot that has none (none once the pool is broken or torn down)."""
+        with self.starting:
+            self._repopulate()
+
+    def _repopulate(self) -> None:
         slots = self.slots
         if slots.broken is not None or self.broken is not None:
             return
         group = shm_manager.group()
         for k in range(slots.active):
-            if slots.workers[k] is not None:
+            if slots.workers[k] is not None or self.state == TERMINATE:
                 continue
             oom_base, row = self.watchdog.oom.read(), slots.clock.row(k)
             w = self.Process(self.ctx, target=worker, args=(
@@ -218,11 +221,17 @@ class Core:
             self.workers.append(w)
 
     def grow(self, n: int) -> None:
-        """Use ``n`` slots (at most all): their workers start (the executor's on-demand workers)."""
+        """Use ``n`` slots (at most all), their workers started before it returns, in the caller's thread (the
+        executor's on-demand workers, which its ``submit`` starts, as the stdlib's). A start that fails is left
+        to the worker handler, which retries it and logs why."""
         n = min(n, self.processes)
         if n > self.slots.active:
             with self.slots.lock:
                 self.slots.active = n
+            try:
+                self.repopulate()
+            except Exception:
+                log.debug("a worker failed to start in grow; the worker handler retries", exc_info=True)
             self.wake()
 
     def start_failed(self, error: BaseException) -> None:
@@ -248,12 +257,14 @@ class Core:
         _join(self.threads.get("watchdog"))
         self.slots.done_with(list(self.slots.senders))  # and the result handler read all they sent
         _recycle.release_all()  # the message segments this process keeps for reuse go with the pool
+        self.release_arguments()
 
     def teardown(self) -> None:
         """End the pool now (terminate, the front collected, the interpreter exiting, a helper thread failed):
         the finalizer's callback, run once. Pending results stay pending, as the stdlib's terminate leaves them
         (unless the pool broke: Note [helper threads]). Every step is taken even if one before it failed."""
-        self.state = TERMINATE
+        with self.starting:  # a worker a front's grow is starting is in self.workers first; none starts after
+            self.state = TERMINATE
         _quietly(self.wake)
         _quietly(self.slots.close)  # the task handler stops waiting for room, discarding the task it holds
         self.taskqueue.put(None)
@@ -273,6 +284,13 @@ class Core:
         _quietly(self.slots.done_with, list(self.slots.senders))  # (_message Note [results told])
         _quietly(_recycle.release_all)
         self.close_channels()  # their descriptors go now, not when a traceback holding the pool is collected
+        self.release_arguments()
+
+    def release_arguments(self) -> None:
+        """Drop the initializer and its arguments once no worker can start: the core's parts refer to each other
+        (a cycle only a collection frees), and what the caller handed it (a Queue and its semaphores, big arrays)
+        must go when the pool ends, as the stdlib's go."""
+        self.initializer, self.initargs = None, ()
 
     def close_channels(self) -> None:
         for q in (self.outqueue, self.notifier):

@@ -22,25 +22,28 @@ What changed from the stdlib's, and why:
   to the function, and ``submit(requests.get, url, timeout=5)`` keeps its meaning.
 - Python 3.14's API on every version: ``map(..., buffersize=)``, ``terminate_workers()``, ``kill_workers()``.
 - Workers start on demand, one per call waiting while none is idle, up to ``max_workers`` (under fork: all at
-  the first submit), as the stdlib's; they are not daemonic, so they may start processes.
+  the first submit), started by ``submit`` before it returns, as the stdlib's; they are not daemonic, so they
+  may start processes.
 - An executor collected without ``shutdown`` shuts down as with ``shutdown(wait=False)``: its calls finish; at
-  interpreter exit every executor not shut down finishes its calls first (an ``atexit`` hook registered when
-  this module is imported: a hook registered later runs before it, and may still submit), as the stdlib's.
+  interpreter exit every executor not shut down finishes its calls first, and a later ``submit`` (in an
+  ``atexit`` function) raises RuntimeError, as the stdlib's (its hook runs when the main thread is done, before
+  the ``atexit`` functions, whenever they were registered).
 
 Note [executor dispatch]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 Invariant: a future is, under the state's lock, in exactly one place: pending (PENDING, cancellable, not in the
 core), running (RUNNING, its call in the core's cache: only its call settles it), or neither (settled, or
 cancelled); and whoever takes it out of running is the only one to set it. ``submit`` appends to pending;
-``dispatch`` (under the lock, from submit and from settle) moves the oldest pending ones to running while
-fewer than max_workers + 1 run, calling ``set_running_or_notify_cancel`` (a cancelled one is dropped there);
-their calls are then sent to the core outside the lock, in order (a send's pickling error settles its call,
-whose settle takes the lock). A call's result, through settle, takes its future out of running, then sets it
-outside the lock (its done-callbacks may submit); a WorkerLostError, WorkerStartError, PoolBrokenError or
-ResultUnpicklingError goes to ``break_`` instead, which fails every running and pending future with
-BrokenProcessPool once. The closer thread (started by the first shutdown, break or collection) waits under the
-lock until nothing is pending or running, then closes and joins the core, or tears it down once broken; nothing
-is dispatched after that wait ends, since it ends only with nothing pending.
+``dispatch`` (under the lock, from submit and from settle) moves the oldest pending ones to running while fewer than
+max_workers + 1 run, calling ``set_running_or_notify_cancel`` (a cancelled one is dropped there); their calls are
+then sent to the core outside the lock, in order (a send's pickling error settles its call, whose settle takes the
+lock), after submit has grown the core to the calls running and pending (on demand: their workers started in
+submit's thread). A call's result, through settle, takes its future out of running, then sets it outside the lock
+(its done-callbacks may submit); a WorkerLostError, WorkerStartError, PoolBrokenError or ResultUnpicklingError goes
+to ``break_`` instead, which fails every running and pending future with BrokenProcessPool once. The closer thread
+(started by the first shutdown, break or collection) waits under the lock until nothing is pending or running, then
+closes and joins the core, or tears it down once broken; nothing is dispatched after that wait ends, since it ends
+only with nothing pending.
 """
 
 from __future__ import annotations
@@ -143,24 +146,28 @@ class _State:
             self.broken = _BROKEN
             self.shutdown = True
             raise BrokenProcessPool(f"{_BROKEN}: the executor could not start ({exc})") from exc
-        self.core.finalizer = util.Finalize(self, self.core.teardown, exitpriority=15)
+        self.core.finalizer = util.Finalize(self, _end_core, (self.core, weakref.ref(self)), exitpriority=15)
 
     def submit(self, fn, args, kwargs, limit) -> futures.Future:
         with self.lock:
             core = self.core
             if self.broken or (core is not None and core.slots.broken is not None):
-                error = BrokenProcessPool(self.broken or _BROKEN)
-                error.__cause__ = self.cause or (core.slots.broken if core is not None else None)
-                raise error
-            if self.shutdown:
+                # (no local holds it: the error's traceback would hold this frame, a cycle keeping the caller's
+                # frame and what it holds, a Queue's semaphores, alive until a collection)
+                raise BrokenProcessPool(self.broken or _BROKEN) from (
+                    self.cause or (core.slots.broken if core is not None else None))
+            if self.shutdown and not _global_shutdown:
                 raise RuntimeError("cannot schedule new futures after shutdown")
-            if _global_shutdown:
+            if _global_shutdown:  # (the stdlib's message, also for an executor the exit hook shut down)
                 raise RuntimeError("cannot schedule new futures after interpreter shutdown")
             if core is None:
                 self.start()
             f: futures.Future = futures.Future()
             self.pending.append((f, fn, args, kwargs, limit))
             calls = self.dispatch()
+            wanted = len(self.running) + len(self.pending)
+        if self.on_demand:  # the workers it needs are started when it returns (outside the lock), as the stdlib's
+            self.started.grow(wanted)
         self.send(calls)
         return f
 
@@ -174,8 +181,6 @@ class _State:
             call = _Call(self, self.started, f, fn, args, kwargs, limit)
             self.running[call._job] = call
             calls.append(call)
-        if self.on_demand and calls:
-            self.started.grow(len(self.running) + len(self.pending))
         return calls
 
     def send(self, calls: list[_Call]) -> None:
@@ -246,6 +251,16 @@ class _State:
                 pass
         if inline:
             self.close()
+
+    def ended(self) -> None:
+        """The core was torn down (its finalizer ran): calls still pending or running can never finish now, so the
+        executor breaks, and the closer, which waits for them, ends (else it, and the interpreter's exit, would wait
+        forever). The closer's own teardown finds none; multiprocessing's finalizers (``util._run_finalizers``: at
+        exit, or a test's cleanup) can run it with calls waiting."""
+        with self.lock:
+            waiting = bool(self.pending or self.running)
+        if waiting:
+            self.break_(None, message=f"{_BROKEN} (its workers were ended while calls were pending or running)")
 
     def notify_idle(self) -> None:
         if not self.pending and not self.running:
@@ -398,22 +413,34 @@ class ProcessPoolExecutor(futures.ProcessPoolExecutor):
     def terminate_workers(self):
         """Python 3.14's: shut the executor down (the pending futures cancelled), send each live worker SIGTERM;
         the running futures fail with ``BrokenProcessPool``. The executor is then broken."""
-        self._force_shutdown("terminate")
+        self._force_shutdown(operation="terminate")
 
     def kill_workers(self):
         """Python 3.14's: as ``terminate_workers``, with SIGKILL."""
-        self._force_shutdown("kill")
+        self._force_shutdown(operation="kill")
 
-    def _force_shutdown(self, how: str) -> None:
+    def _force_shutdown(self, operation: str) -> None:
+        """``terminate_workers`` (``operation="terminate"``) or ``kill_workers`` ("kill"), as the stdlib's."""
+        if operation not in ("terminate", "kill"):
+            raise ValueError(f"Unsupported operation: {operation!r}")
         processes = list(self._processes.values())
         self.shutdown(wait=False, cancel_futures=True)
         for p in processes:
             try:
                 if p.is_alive():
-                    getattr(p, how)()
+                    getattr(p, operation)()
             except (ValueError, ProcessLookupError):  # closed, or just ended
                 pass
         self._state.break_(None, message=f"{_BROKEN} (the executor was forcefully shut down)")
+
+
+def _end_core(core: Core, state: weakref.ref) -> None:
+    """The core's finalizer (when its executor's state is collected, at exit, or when run early): tear it down,
+    then break the executor if calls were still waiting (``_State.ended``)."""
+    core.teardown()
+    alive = state()
+    if alive is not None:
+        alive.ended()
 
 
 def _collected(state: _State) -> None:
@@ -421,7 +448,6 @@ def _collected(state: _State) -> None:
     state.end(wait=False, cancel=False)
 
 
-@atexit.register
 def _python_exit() -> None:
     """At interpreter exit, every executor not shut down finishes its calls first, as the stdlib's; a submit after
     this raises RuntimeError."""
@@ -429,3 +455,14 @@ def _python_exit() -> None:
     _global_shutdown = True
     for state in list(_live):
         state.end(wait=True, cancel=False)
+
+
+# As the stdlib's: run when the main thread is done, before any atexit function (so none can submit after it,
+# whenever it was registered) and before the interpreter joins the threads (the closers among them). A fork child
+# (a worker, or any process forked while an executor lives) runs these hooks too as it exits, with a copy of its
+# parent's executors whose locks may have been held at the fork: they are not its own to finish.
+try:
+    getattr(threading, "_register_atexit", atexit.register)(_python_exit)
+except RuntimeError:  # (imported by an atexit function: the interpreter is past that point)
+    atexit.register(_python_exit)
+os.register_at_fork(after_in_child=_live.clear)
