@@ -241,6 +241,17 @@ class PoolSuite:
             pool.close()
             pool.join()
 
+    def test_an_initializer_pickle_cannot_send_by_name_goes_by_value(self, ctx):
+        # _byvalue Note [by value]: a spawn or forkserver worker unpickles its initializer and initargs; a closure,
+        # and a lambda among its arguments, go by value (the stdlib's worker fails to find them)
+        k = 5
+
+        def init(f):
+            T.set_value(f(k))
+
+        with mpr.Pool(2, initializer=init, initargs=(lambda x: x * 3,), maxtasksperchild=1, context=ctx) as pool:
+            assert pool.map(T.get_value, range(4), chunksize=1) == [15] * 4  # retired workers' replacements too
+
     def test_workers_are_daemonic_unless_daemon_false(self, ctx):
         for daemon in (True, False):
             with mpr.Pool(1, context=ctx, daemon=daemon) as pool:

@@ -37,6 +37,7 @@ from typing import Any
 import shm_manager
 
 from .. import _recycle
+from .._byvalue import target
 from .._channel import Packet, recv_raw
 from .._queues import SimpleQueue
 from .._reductions import init_reductions
@@ -95,6 +96,8 @@ class Core:
             _check_main_importable(self.method)
         if self.method == "forkserver":
             _preload_in_fork_server(ctx)
+        if self.method != "fork":  # pickled to start each worker: what pickle cannot send by name goes by value
+            initializer, initargs = target(initializer), tuple(map(target, initargs))  # (_byvalue Note [by value])
         self.initializer, self.initargs, self.maxtasks = initializer, initargs, maxtasks
         self.shared_results, self.daemon, self.executor = bool(shared_results), bool(daemon), executor
         self.start_failures_allowed = 1 if executor else processes  # slots Note [start failures]
