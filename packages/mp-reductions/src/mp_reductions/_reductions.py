@@ -215,6 +215,9 @@ class Outgoing:
                 entry[1] = _arrays.shared_copy(arr)
             except OSError:  # shared memory full: a copy in each message, as before
                 return None
+            c = _stats.counts  # copied once, here; each message then names it as a handle
+            c[_stats.ARRAYS_COPIED] += 1
+            c[_stats.BYTES_COPIED] += arr.nbytes
         return entry[1]
 
     def out_of_band(self, buf) -> bool:
@@ -436,11 +439,15 @@ def reduce_ndarray(arr: np.ndarray, own: bool = False):
             return rebuild_own, (ref, None, offset, arr.shape, strides, _dtype(arr.dtype), readonly)
         # each task its own copy, as from the stdlib's pickle; a launch's copy is the child's own
         rebuild = rebuild_own_copy if outgoing else rebuild_own
+        if outgoing:  # the call's shared copy (counted as copied when made: input_copy), named by a handle
+            ctx.arrays += 1
+            ctx.n_handles += 1
+        else:
+            c = _stats.counts
+            c[_stats.ARRAYS_COPIED] += 1
+            c[_stats.BYTES_COPIED] += arr.nbytes
         arr = shared
         found = _shared.segment_of(arr)
-        c = _stats.counts
-        c[_stats.ARRAYS_COPIED] += 1
-        c[_stats.BYTES_COPIED] += arr.nbytes
     elif not outgoing:
         _stats.counts[_stats.HANDLES_SENT] += 1
     else:
@@ -733,7 +740,10 @@ def rebuild_ndarray(ref, size, offset, shape, strides, dtype, readonly, block=No
 # it lives: the entry goes with it, and a new array with the same id is a new entry), and the table goes when the
 # call's result is complete (the Pool's cache entry goes: _Cache); the shared copy's segment then goes back to the
 # recycling pool once the last task's view is gone (_recycle Note [recycling]). Only map-like calls have a table
-# (an apply sends one task). A caller who changes the array while the call runs: the stdlib's tasks pickled later
+# (an apply sends one task, and ``submit`` in a loop is not one call); the executor's ``map`` submits a call per
+# chunk, and its calls share one table, found by their chunk function (one ``process_chunk`` partial per map:
+# executor._Call), which goes with the map. ``stats()`` counts the shared copy once, as it is made; each message
+# then names it as a handle. A caller who changes the array while the call runs: the stdlib's tasks pickled later
 # see the change, ours after the first two do not.
 def rebuild_own_copy(ref, size, offset, shape, strides, dtype, readonly, block=None):
     """An input a Pool call shares once for all its tasks (Note [inputs once per call]): this task's own copy."""

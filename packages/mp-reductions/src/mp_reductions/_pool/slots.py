@@ -101,7 +101,9 @@ class Slots:
         pickling raised (the task's error)."""
         job, i = task[:2]
         result = self.cache.get(job)
-        inputs = self.cache.inputs.setdefault(job, {}) if getattr(result, "once_per_call", False) else None
+        inputs = getattr(result, "call_inputs", None)  # the executor's: one table for the calls of one map
+        if inputs is None and getattr(result, "once_per_call", False):
+            inputs = self.cache.inputs.setdefault(job, {})
         head = pickle.dumps((job, i))
         # may raise: the task's error (_reductions Note [inputs once per call])
         packet = Packet(task, head=head, inputs=inputs)
