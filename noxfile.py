@@ -3,7 +3,7 @@ declares (siblings from their folders, not editable); plus the facade, lint,
 docs and release_check: ``nox`` runs these (README.md's test command, under 20
 minutes on 2 cores), on the interpreter that runs nox. By name only (CI runs
 them, .ci/run): ``tests-3.X`` (every suite on CPython 3.X), ``stdlib_suite-3.X``,
-``nonroot``, and bench and soak. ``nox -l`` lists them; a session whose
+``nonroot``, ``joblib_suite``, and bench and soak. ``nox -l`` lists them; a session whose
 interpreter is not installed is skipped with a message (.ci/pythons makes a
 root that has them).
 
@@ -207,6 +207,17 @@ def stdlib_suite(session):
     session.install(*[f"packages/{name}" for name in ("shm-core", "shm-manager", "mp-reductions", "shm-cuda",
                                                       "mp-spawn")], ".")
     session.run("python", "-m", "stdlib_suite.run", *session.posargs)
+
+
+@nox.session
+def joblib_suite(session):
+    """joblib's own test_parallel.py, of the installed joblib (its sdist downloaded from the index), with the backend
+    "arraymp" beside "loky": joblib_suite/run.py. It fails when an arraymp variant fails where loky's passes, unless
+    docs/joblib.md lists it with its reason. ``nox -s joblib_suite -- --keep DIR`` keeps the run."""
+    # pip: the sdist is fetched as pip is configured; pytest-timeout: a hung test fails alone; threadpoolctl: the
+    # thread-limit tests of both backends
+    session.install(*FOLDERS[:5], ".[joblib]", "pytest", "pytest-timeout", "threadpoolctl", "pip")
+    session.run("python", "-m", "joblib_suite.run", *session.posargs)
 
 
 @nox.session

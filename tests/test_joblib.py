@@ -2,7 +2,8 @@
 exceptions, batch_size="auto", generators, timeouts, aborting), joblib's options for process backends through either
 entry (initializer in every worker, unknown options refused alike), what pickle cannot send by name going by value,
 pools inside a loky worker, arrays both ways by shared memory with the big inputs shared once per call, a killed
-worker failing instead of hanging, and scikit-learn's n_jobs giving loky's scores."""
+worker failing instead of hanging, and scikit-learn's n_jobs giving loky's scores. joblib's own test_parallel.py
+runs with arraymp beside loky in the joblib_suite nox session (joblib_suite/)."""
 
 import gc
 import multiprocessing
