@@ -26,6 +26,7 @@ Exception is logged and its result set all the same (the stdlib's result handler
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import pickle
 import queue
@@ -303,7 +304,9 @@ def _quietly(call, *args) -> None:
 # the preload list, kept as the user set it otherwise, before the server starts (once it runs, the list is not
 # read again: a server the stdlib or the user started earlier serves as it is). The server imports them at
 # start (an ImportError there is ignored, as for any preload name); a module already in that list is not added
-# twice.
+# twice. In a process whose start method is another library's (a loky worker's "loky"), every forkserver child's
+# preparation sets that start method, which only the module that registers it makes known: that module is
+# preloaded too (else every worker died at its start with "cannot find context for 'loky'").
 _PRELOAD = ("mp_reductions", "arraymp")  # this package, and the facade when it is what made the pool
 
 
@@ -316,5 +319,10 @@ def _preload_in_fork_server(ctx) -> None:
     if not isinstance(names, list):
         return
     extra = [n for n in _PRELOAD if n in sys.modules and n not in names]
+    current = multiprocessing.get_start_method(allow_none=True)
+    if current not in (None, "fork", "spawn", "forkserver"):  # (3.14 lists loky's among get_all_start_methods)
+        module = type(multiprocessing.get_context()).__module__  # the context's: it registered the method
+        if module not in names:
+            extra.append(module)
     if extra:
         ctx.set_forkserver_preload([*names, *extra])
