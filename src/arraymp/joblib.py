@@ -208,7 +208,7 @@ class ArraympBackend(AutoBatchingMixin, joblib.ParallelBackendBase):
             raise ValueError("n_jobs == 0 in Parallel has no meaning")
         if n_jobs is None:
             return 1
-        if arraymp.current_process().daemon:  # a pool worker (ours, the stdlib's, loky's): no children
+        if arraymp.current_process().daemon:  # a daemonic pool worker (ours, the stdlib's): no children
             if n_jobs != 1:
                 warnings.warn(
                     "arraymp-backed parallel loops cannot be nested in a worker process, setting n_jobs=1", stacklevel=3
@@ -246,7 +246,7 @@ class ArraympBackend(AutoBatchingMixin, joblib.ParallelBackendBase):
         """Send a batch (joblib's ``BatchedCalls``) to the pool: an AsyncResult; ``callback`` gets ``(ok, value)``."""
         if self._key is None:
             raise RuntimeError("the arraymp backend was not configured: use it through joblib.Parallel")
-        task = _batch_name(func) if self.task_timeout is not None else None  # (before _prepare wraps it)
+        task = _batch_name(func) if self.task_timeout is not None else None  # (its arguments as the caller gave them)
         index, self._batches = self._batches, self._batches + 1
         if hasattr(func, "items"):  # joblib's BatchedCalls: its big inputs shared once
             func.items = self._prepare(func.items)
