@@ -4,8 +4,9 @@ docs and release_check: ``nox`` runs these (README.md's test command, under 20
 minutes on 2 cores), on the interpreter that runs nox. By name only (CI runs
 them, .ci/run): ``tests-3.X`` (every suite on CPython 3.X), ``stdlib_suite-3.X``,
 ``futures_suite-3.X``, ``nonroot``, ``dask_nodes`` (mp-dask on separate nodes, as
-root), and bench and soak. ``nox -l`` lists them; a session whose interpreter is
-not installed is skipped with a message (.ci/pythons makes a root that has them).
+root), ``joblib_suite``, and bench and soak. ``nox -l`` lists them; a session whose
+interpreter is not installed is skipped with a message (.ci/pythons makes a root
+that has them).
 
 Our packages depend on each other by name and version range, and none of the
 names is ours on a public index: every install here names the sibling folders
@@ -244,6 +245,17 @@ def futures_suite(session):
     ProcessPoolExecutor in place of the stdlib's, compared with the same tests on the stdlib's, under spawn, fork
     and forkserver: see futures_suite/run.py."""
     _cpython_suite(session, "futures_suite")
+
+
+@nox.session
+def joblib_suite(session):
+    """joblib's own test_parallel.py, of the installed joblib (its sdist downloaded from the index), with the backend
+    "arraymp" beside "loky": joblib_suite/run.py. It fails when an arraymp variant fails where loky's passes, unless
+    docs/joblib.md lists it with its reason. ``nox -s joblib_suite -- --keep DIR`` keeps the run."""
+    # pip: the sdist is fetched as pip is configured; pytest-timeout: a hung test fails alone; threadpoolctl: the
+    # thread-limit tests of both backends
+    session.install(*FOLDERS[:5], ".[joblib]", "pytest", "pytest-timeout", "threadpoolctl", "pip")
+    session.run("python", "-m", "joblib_suite.run", *session.posargs)
 
 
 @nox.session

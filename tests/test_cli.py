@@ -177,6 +177,20 @@ def test_bench_payloads_prints_each_row_with_its_ratios():
     assert float(queue) > 0 and float(cpu) > 0 and float(pool) > 0 and "/" in peak, line
 
 
+def test_bench_inputs_prints_the_caller_s_copies_of_one_input_given_to_16_tasks():
+    # the short form of `python -m arraymp bench --inputs` (issue 43 item 4: 1 GiB by default): a plain input is
+    # copied twice by the caller whatever the number of tasks (_reductions Note [inputs once per call]), a shared
+    # one never; the peak column is the machine's, not checked here
+    out = arraymp("bench", "--inputs", "--sizes", "8MiB", "--repeat", "1")
+    assert out.returncode == 0, out.stderr
+    assert "one 8 MiB input given to each of 16 tasks of one call" in out.stdout
+    for row in ("Pool.starmap", "Pool.map", "Pool.imap", "executor.map"):
+        (line,) = [line for line in out.stdout.splitlines() if line.startswith(f"| {row} |")]
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[2] == "2 (16 MiB)" and cells[5] == "0 (0 B)", line
+        assert float(cells[1]) > 0 and cells[3].endswith("x"), line
+
+
 def test_bench_payloads_skips_a_row_whose_package_does_not_import(monkeypatch):
     from arraymp._payloads import available
 

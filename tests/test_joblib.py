@@ -1,6 +1,9 @@
 """joblib's backend "arraymp" (arraymp.joblib): joblib's own idioms for a backend (context managers, nested calls,
-exceptions, batch_size="auto", generators, timeouts, aborting), arrays both ways by shared memory with the big inputs
-shared once per call, a killed worker failing instead of hanging, and scikit-learn's n_jobs giving loky's scores."""
+exceptions, batch_size="auto", generators, timeouts, aborting), joblib's options for process backends through either
+entry (initializer in every worker, unknown options refused alike), what pickle cannot send by name going by value,
+pools inside a loky worker, arrays both ways by shared memory with the big inputs shared once per call, a killed
+worker failing instead of hanging, and scikit-learn's n_jobs giving loky's scores. joblib's own test_parallel.py
+runs with arraymp beside loky in the joblib_suite nox session (joblib_suite/)."""
 
 import gc
 import multiprocessing
@@ -11,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -85,7 +89,47 @@ def thread_limits(_):
 def nested(i):
     backend, n_jobs = joblib.parallel.get_active_backend()
     inner = Parallel(n_jobs=2)(delayed(pid)() for _ in range(4))
-    return type(backend).__name__, set(inner), os.getpid()
+    return type(backend).__name__, backend.nesting_level, set(inner), os.getpid()
+
+
+def nested_arraymp(i):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        inner = Parallel(n_jobs=2, backend="arraymp")(delayed(pid)() for _ in range(3))
+    return set(inner), os.getpid(), [str(w.message) for w in caught]
+
+
+def set_tag(*parts):
+    os.environ["ARRAYMP_TEST_TAG"] = ":".join(map(str, parts))
+
+
+def tag(_=None):
+    return os.environ.get("ARRAYMP_TEST_TAG"), os.getpid()
+
+
+def call_with(g, i, f=None):
+    return g(i), f(i), os.environ.get("ARRAYMP_TEST_TAG")
+
+
+def unbox(box):
+    return box, type(box).__name__, box.v
+
+
+def inside_loky(i):
+    """Run by a loky worker: arraymp's context, Pool and joblib backend work there (its start method reads "loky")."""
+    with mp.Pool(2) as pool:
+        squares = pool.map(square, range(4))
+    inner = Parallel(n_jobs=2, backend="arraymp")(delayed(pid)() for _ in range(4))
+    arraymp.joblib.shutdown()
+    with mp.get_context("forkserver").Pool(2) as pool:  # (3.14's default: its children must know "loky")
+        served = set(pool.map(pid, range(4)))
+    return (multiprocessing.get_start_method(), mp.get_context().get_start_method(), squares, set(inner) | served,
+            os.getpid())
+
+
+def in_a_forked_child(q):
+    q.put(Parallel(n_jobs=2, backend="arraymp")(delayed(square)(i) for i in range(4)))
+    arraymp.joblib.shutdown()
 
 
 def inode(a: np.ndarray):
@@ -143,6 +187,87 @@ def test_bad_arguments_say_what_is_accepted():
             pass
     with pytest.raises(TypeError, match="takes no argument 'chunks'.*start_method"):
         Parallel(n_jobs=2, backend="arraymp", chunks=3)(delayed(square)(i) for i in range(3))
+
+
+OPTIONS = "initializer, initargs, idle_worker_timeout, maxtasksperchild, context, start_method, task_timeout"
+
+
+@pytest.mark.parametrize("entry", ["parallel_config", "parallel_backend", "Parallel"])
+def test_an_unknown_or_bad_option_is_refused_alike_through_either_entry(entry):
+    # issue 43: parallel_config(backend="arraymp", task_timout=1) was dropped without a word
+    def give(**options):
+        if entry == "Parallel":
+            return Parallel(n_jobs=2, backend="arraymp", **options)(delayed(square)(i) for i in range(2))
+        with (parallel_config if entry == "parallel_config" else parallel_backend)("arraymp", n_jobs=2, **options):
+            return Parallel()(delayed(square)(i) for i in range(2))
+
+    with pytest.raises(TypeError, match=re.escape(f"takes no argument 'task_timout'; it takes {OPTIONS}")):
+        give(task_timout=1)
+    with pytest.raises(TypeError, match="initializer must be a callable, not int"):
+        give(initializer=3)
+    with pytest.raises(ValueError, match="maxtasksperchild must be a positive int or None, not 0"):
+        give(maxtasksperchild=0)
+    with pytest.raises(ValueError, match="idle_worker_timeout must be a number of seconds"):
+        give(idle_worker_timeout=-1)
+    if entry != "Parallel":  # (Parallel passes the backend joblib's own context: only parallel_config has ours)
+        with pytest.raises(ValueError, match="start_method='fork' and context=.* disagree"):
+            give(start_method="fork", context="spawn")
+    assert give(maxtasksperchild=1) == [0, 1]
+
+
+@pytest.mark.parametrize("entry", ["parallel_config", "parallel_backend", "Parallel"])
+def test_the_initializer_runs_in_every_worker_also_those_started_later(entry):
+    # issue 43: joblib's initializer / initargs (loky's and multiprocessing's); maxtasksperchild=2 retires the
+    # workers as the call runs, and each fresh one runs the initializer before its first task
+    options = dict(initializer=set_tag, initargs=("ready", 1), maxtasksperchild=2)
+    calls = (delayed(tag)(i) for i in range(12))
+    if entry == "Parallel":
+        out = Parallel(n_jobs=2, backend="arraymp", batch_size=1, **options)(calls)
+    else:
+        with (parallel_config if entry == "parallel_config" else parallel_backend)("arraymp", n_jobs=2, **options):
+            out = Parallel(batch_size=1)(calls)
+    assert {t for t, _ in out} == {"ready:1"}
+    assert len({p for _, p in out}) >= 4  # six pairs of tasks: workers replaced, every one initialized
+
+
+def test_workers_are_kept_for_an_equal_initializer_and_replaced_for_another():
+    def run(*initargs):
+        return Parallel(n_jobs=2, backend="arraymp", initializer=set_tag, initargs=initargs)(
+            delayed(tag)(i) for i in range(8))
+
+    first = run("a", np.arange(3))  # an array: equal only to itself
+    assert {t for t, _ in first} == {"a:[0 1 2]"}
+    other = run("b", np.arange(3))
+    assert {t for t, _ in other} == {"b:[0 1 2]"} and not {p for _, p in other} & {p for _, p in first}
+    again = run("b", np.arange(3))
+    assert not {p for _, p in again} & {p for _, p in other}  # another array: new workers, as loky's
+    args = ("c", 1)
+    kept = run(*args)
+    assert {p for _, p in run(*args)} <= {p for _, p in kept}  # equal arguments: the same workers
+
+
+def test_the_context_option_chooses_the_start_method():
+    with parallel_config("arraymp", n_jobs=2, context=multiprocessing.get_context("spawn")):
+        assert Parallel()(delayed(square)(i) for i in range(4)) == [0, 1, 4, 9]
+        assert arraymp.joblib._CURRENT.pool._ctx.get_start_method() == "spawn"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_what_pickle_cannot_send_by_name_goes_by_value(method):
+    # issue 43: a closure initializer, lambdas as arguments and keyword arguments, an instance of a class defined
+    # in a function (and it comes back as that class), under every start method, as loky sends them
+    k = 7
+
+    class Box:
+        def __init__(self, v):
+            self.v = v
+
+    with parallel_config("arraymp", n_jobs=2, start_method=method, initializer=lambda f: set_tag(f(k)),
+                         initargs=(lambda x: x * 6,)):
+        out = Parallel()(delayed(call_with)(lambda x: x + k, i, f=lambda y: -y) for i in range(4))
+        boxes = Parallel()(delayed(unbox)(Box(i)) for i in range(3))
+    assert out == [(i + 7, -i, "42") for i in range(4)]
+    assert [(type(b) is Box, name, v) for b, name, v in boxes] == [(True, "Box", i) for i in range(3)]
 
 
 def test_workers_are_reused_between_calls_until_shutdown():
@@ -356,10 +481,46 @@ def test_a_managed_parallel_works_after_an_error():
 
 
 # ------------------------------------------------------------------ joblib's idioms
-def test_nested_parallel_runs_sequentially_in_the_worker():
+def test_nested_parallel_runs_on_threads_in_the_worker_as_under_loky():
     out = Parallel(n_jobs=2, backend="arraymp")(delayed(nested)(i) for i in range(4))
-    for backend, inner, worker in out:
-        assert backend == "SequentialBackend" and inner == {worker} and worker != os.getpid()
+    for backend, level, inner, worker in out:
+        assert (backend, level) == ("ThreadingBackend", 1) and inner == {worker} and worker != os.getpid()
+
+
+def test_the_arraymp_backend_inside_its_own_worker_runs_there_and_says_so():
+    # the workers are daemonic, as the stdlib Pool's: no pool of their own (loky's start one: docs/joblib.md)
+    out = Parallel(n_jobs=2, backend="arraymp")(delayed(nested_arraymp)(i) for i in range(2))
+    for inner, worker, caught in out:
+        assert inner == {worker} and any("cannot be nested in a worker process" in w for w in caught)
+
+
+def test_pools_work_inside_a_loky_worker():
+    # issue 43: a loky worker's start method reads "loky"; arraymp's context falls back to the platform's default
+    # there, as the stdlib's Pool runs there, so mp.Pool(), mp.get_context() and the backend work in any library
+    # that nests under joblib's default backend
+    from joblib.externals.loky import get_reusable_executor
+
+    try:
+        out = Parallel(n_jobs=2)(delayed(inside_loky)(i) for i in range(2))  # joblib's default backend: loky
+    finally:
+        get_reusable_executor().shutdown(wait=True)  # loky keeps its workers: the leak check counts children
+    for theirs, ours, squares, inner, worker in out:
+        assert theirs == "loky" and ours == multiprocessing.get_all_start_methods()[0]
+        assert squares == [0, 1, 4, 9] and inner and worker not in inner  # processes of their own
+
+
+def test_a_forked_child_of_a_caller_runs_a_pool_of_its_own():
+    # the parent's pool, kept for its next call, came with the fork without its threads: the child must not use it
+    assert Parallel(n_jobs=2, backend="arraymp")(delayed(square)(i) for i in range(4)) == [0, 1, 4, 9]
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    child = ctx.Process(target=in_a_forked_child, args=(q,))
+    child.start()
+    try:
+        assert q.get(timeout=60) == [0, 1, 4, 9]
+    finally:
+        child.join(30)
+    assert child.exitcode == 0
 
 
 def test_batch_size_auto_batches_tiny_tasks():
@@ -372,6 +533,45 @@ def test_return_as_generator():
     g = Parallel(n_jobs=2, backend="arraymp", return_as="generator")(delayed(square)(i) for i in range(50))
     assert not isinstance(g, list)
     assert list(g) == [i * i for i in range(50)]
+
+
+@pytest.mark.parametrize("n_jobs", [2, 4])
+def test_generator_unordered_never_holds_fast_results_behind_a_slow_task(n_jobs):
+    # issue 43, joblib's test_parallel_unordered_generator_returns_fastest_first again and again: each call on new
+    # workers, one of which may not have taken its first messages when the others are done (slots Note [lost
+    # tasks]); every fast result comes before the slow one
+    for _ in range(4):
+        arraymp.joblib.shutdown()
+        g = Parallel(n_jobs=n_jobs, backend="arraymp", return_as="generator_unordered")(
+            delayed(_sleep_id)(20.0 if i == 1 else 0.0, i) for i in range(10))
+        t0 = time.monotonic()
+        assert sorted(next(g) for _ in range(9)) == [0, *range(2, 10)]
+        assert time.monotonic() - t0 < 20
+        del g  # joblib aborts the call: its slow task's worker is ended
+        gc.collect()
+
+
+def test_generator_unordered_sends_each_batch_alone():
+    # with every batch dispatched at once the pool has many ready and would batch them (slots Note [batches]); a
+    # slow one must hold none behind it when results are wanted as they finish
+    for _ in range(5):  # short tasks measured: the pool batches now (a loaded machine may make them read long)
+        assert len(Parallel(n_jobs=2, backend="arraymp", batch_size=1)(delayed(square)(i) for i in range(2000))) == 2000
+        if arraymp.joblib._CURRENT.pool._core.slots.n > 1:
+            break
+    else:
+        pytest.skip(f"the pool measured short tasks as {arraymp.joblib._CURRENT.pool._core.slots.per_task} s each")
+    g = Parallel(n_jobs=2, backend="arraymp", return_as="generator_unordered", pre_dispatch="all", batch_size=1)(
+        delayed(_sleep_id)(20.0 if i == 150 else 0.0, i) for i in range(300))  # (150: sent with others ready)
+    t0 = time.monotonic()
+    assert 150 not in {next(g) for _ in range(299)}
+    assert time.monotonic() - t0 < 20
+    del g
+    gc.collect()
+
+
+def _sleep_id(s, i):
+    time.sleep(s)
+    return i
 
 
 def test_return_as_generator_unordered_yields_in_completion_order():
@@ -444,6 +644,32 @@ def test_cross_val_score_gives_loky_s_scores():
     with parallel_config("arraymp"):
         ours = scores()
     assert list(ours) == list(loky) and len(ours) == 4
+
+
+def test_grid_search_over_a_pipeline_with_a_class_defined_in_a_function():
+    # issue 43, scikit-learn's test_dispatch_config_parallel[2]: a transformer class defined inside a function, in
+    # a pipeline that GridSearchCV clones and sends to the workers
+    pytest.importorskip("sklearn", reason="scikit-learn is not installed")
+    from sklearn.datasets import make_classification
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.model_selection import GridSearchCV
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    class Scaler(StandardScaler):
+        def fit(self, X, y=None):
+            self.seen_ = X.shape
+            return super().fit(X, y)
+
+    X, y = make_classification(n_samples=200, n_features=8, random_state=2)
+    search = GridSearchCV(make_pipeline(Scaler(), LogisticRegression(max_iter=500)),
+                          {"logisticregression__C": [0.1, 1.0, 10.0]}, cv=3, n_jobs=2, error_score="raise")
+    with parallel_config("arraymp"):
+        search.fit(X, y)
+    serial = GridSearchCV(make_pipeline(Scaler(), LogisticRegression(max_iter=500)),
+                          {"logisticregression__C": [0.1, 1.0, 10.0]}, cv=3).fit(X, y)
+    assert list(search.cv_results_["mean_test_score"]) == list(serial.cv_results_["mean_test_score"])
+    assert isinstance(search.best_estimator_.steps[0][1], Scaler)
 
 
 def test_grid_search_cv_finds_what_a_sequential_search_finds():

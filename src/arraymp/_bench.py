@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-from ._benchkit import As, Status, plain_pickling
+from ._benchkit import As, Status, human, meminfo, plain_pickling
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20]
 UNITS = {"GiB": 1 << 30, "MiB": 1 << 20, "KiB": 1 << 10, "B": 1, "": 1}  # longest suffix first
@@ -171,11 +171,7 @@ def _count(nbytes: int, quick: bool) -> int:
 
 
 def _mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemAvailable in /proc/meminfo")
+    return meminfo("MemAvailable")
 
 
 def _receive_all(q, done):
@@ -216,12 +212,6 @@ def memory_peak(shared: bool, nbytes: int = 1 << 30) -> float:
     return (base - low[0]) / nbytes
 
 
-def human(n: int) -> str:
-    if n >= 1 << 30 and n % (1 << 30) == 0:
-        return f"{n >> 30} GiB"
-    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB" if n >= 1 << 10 else f"{n} B"
-
-
 def estimate(sizes: list[int], repeat: int, quick: bool, systems: list[str], pickled_rate: float) -> float:
     """Rough seconds of a run whose pickling Queue moves ``pickled_rate`` bytes/s: the stdlib's copies dominate."""
     streamed = sum((_count(n, quick) + 3) * n for n in sizes)  # one fresh stream of each size, warm-up included
@@ -252,6 +242,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m arraymp bench") -
     parser.add_argument("--payloads", action="store_true",
                         help="instead: any payload (bytes, strings, dicts of small arrays, Arrow tables, DataFrames) "
                              "through Queue and Pool.map results against the stdlib, under fork, spawn and forkserver")
+    parser.add_argument("--inputs", action="store_true",
+                        help="instead: one big input (the first of --sizes if given, else 1 GiB) given to each of 16 "
+                             "tasks of one Pool.starmap / map / imap and executor.map call, a plain array against one "
+                             "shared first: seconds, the caller's copies, peak shared memory")
     parser.add_argument("--methods", default="fork,spawn,forkserver",
                         help="start methods of --payloads, comma-separated")
     parser.add_argument("--rows", default=None, help="--payloads: only the payloads whose name contains this")
@@ -264,6 +258,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m arraymp bench") -
         from ._overhead import main as overhead
 
         return overhead(repeat=args.repeat)
+    if args.inputs:
+        from ._inputs import main as inputs
+
+        return inputs(args.sizes[0] if args.sizes is not SIZES else 1 << 30, repeat=args.repeat)
     import arraymp  # registers our reducer, which _as() removes for the others
 
     arraymp.set_sharing_strategy(args.strategy)

@@ -1,5 +1,5 @@
-"""What the benchmarks share (``_bench``, ``_overhead``, ``_payloads``): pickling as another system does, and the
-progress shown on stderr."""
+"""What the benchmarks share (``_bench``, ``_overhead``, ``_payloads``, ``_inputs``): pickling as another system
+does, the progress shown on stderr, sizes in words, and the machine's memory."""
 
 from __future__ import annotations
 
@@ -9,6 +9,21 @@ from multiprocessing.reduction import ForkingPickler
 import numpy as np
 from mp_reductions import isatty
 from tqdm import tqdm
+
+
+def human(n: int) -> str:
+    if n >= 1 << 30 and n % (1 << 30) == 0:
+        return f"{n >> 30} GiB"
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB" if n >= 1 << 10 else f"{n} B"
+
+
+def meminfo(field: str) -> int:
+    """Bytes of ``field`` in /proc/meminfo (``MemAvailable``, ``Shmem``: the whole machine's)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/meminfo")
 
 
 def plain_pickling():

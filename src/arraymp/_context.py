@@ -136,7 +136,9 @@ _CONTEXTS = {"fork": ForkContext(), "spawn": SpawnContext(), "forkserver": ForkS
 
 
 class DefaultContext(_ArrayContext, mpc.BaseContext):
-    """The context behind ``arraymp.Queue`` etc.: our context for the stdlib's current start method."""
+    """The context behind ``arraymp.Queue`` etc.: our context for the stdlib's current start method, or for the
+    platform's default one where that method is another library's (a loky worker's reads "loky"): a Pool made in
+    any process starts its workers, as the stdlib's Pool does there."""
 
     Process = multiprocessing.Process
 
@@ -153,6 +155,8 @@ class DefaultContext(_ArrayContext, mpc.BaseContext):
     def get_context(self, method: str | None = None, **kwargs: Any) -> Any:
         if method is None:
             method = multiprocessing.get_start_method()
+            if method not in _CONTEXTS:  # another library's start method (loky's "loky", in its workers)
+                method = multiprocessing.get_all_start_methods()[0]  # the platform's default, as the stdlib's Pool
         if method == "dask":
             return _dask_context(**kwargs)
         _no_options(method, kwargs)

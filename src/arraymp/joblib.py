@@ -30,47 +30,64 @@ What moves by shared memory, and how:
   inside other objects go as any argument of our Pool does (inline below
   64 KiB, else one segment per task).
 
+The backend takes joblib's options for process backends, the same way through
+``parallel_config(backend="arraymp", ...)`` (or ``parallel_backend``) and
+``Parallel(backend="arraymp", ...)``, and refuses any other with TypeError
+through either: ``initializer`` and ``initargs`` (called in every worker as
+it starts, also in one that replaces a dead or retired worker),
+``idle_worker_timeout``, ``maxtasksperchild``, ``context`` (a multiprocessing
+context, or its name; through ``parallel_config`` only, as for joblib's
+multiprocessing backend: ``Parallel`` passes every backend joblib's own
+default context), plus ours, ``start_method`` and ``task_timeout``;
+joblib's own (``n_jobs``, ``batch_size``, ``max_nbytes``, ``mmap_mode``,
+``inner_max_num_threads``, ``prefer``, ``require``, ``verbose``,
+``temp_folder``, which changes nothing: no array goes through a file).
+
 Workers are kept between calls, as loky's reusable executor: every call with
-the same ``n_jobs``, start method and thread limits uses the same pool, until
-it has been idle for ``idle_worker_timeout`` seconds (300) or :func:`shutdown`
-is called. The start method is ``start_method="fork" | "spawn" |
-"forkserver"`` (``parallel_config(backend="arraymp", start_method="spawn")``
-or ``Parallel(backend="arraymp", start_method=...)``), by default arraymp's
-(the stdlib's current one). fork starts fastest; spawn and forkserver start
-clean interpreters, which is what to use when the caller runs threads or holds
-a CUDA context. Lambdas, closures and, under spawn and forkserver, functions
-defined interactively (``python -c``, a notebook) are sent with cloudpickle,
-as loky sends them (cloudpickle comes with joblib); everything else, arrays
-included, goes through arraymp's reductions.
+the same ``n_jobs``, start method, thread limits, ``maxtasksperchild`` and an
+equal initializer with equal ``initargs`` uses the same pool, until it has
+been idle for ``idle_worker_timeout`` seconds (300) or :func:`shutdown` is
+called. The start method is ``start_method="fork" | "spawn" | "forkserver"``,
+by default arraymp's (the stdlib's current one, or the platform's default in
+a process whose start method is another library's, such as a loky worker's).
+fork starts fastest; spawn and forkserver start clean interpreters, which is
+what to use when the caller runs threads or holds a CUDA context. A function
+or class that pickle cannot send by name (a lambda, a closure, a class defined
+in a function, one defined in a notebook or by ``python -c``), wherever it is
+in a task (the ``delayed`` function, its arguments and keyword arguments, a
+pipeline's step), goes by value with cloudpickle, as loky sends it; everything
+else, arrays included, goes by name and through arraymp's reductions (the
+Pool's pickler: mp_reductions' _byvalue Note [by value]).
 
 As under loky: an exception in a task is raised in the caller with the
 worker's traceback as its ``__cause__``, and the remaining tasks are
-cancelled (the pool is terminated and restarted); ``timeout=`` works; a worker
-that dies (a signal, the out-of-memory killer) fails its task with
-``arraymp.WorkerLostError`` instead of hanging; ``n_jobs=-1`` uses every CPU;
-``batch_size="auto"`` batches short tasks; ``task_timeout=`` (seconds, with the
-other backend options: ``parallel_config(backend="arraymp", task_timeout=30)``)
-ends a task that runs longer, measured from its start in its worker (the
-worker gets SIGTERM, then SIGKILL), which Parallel raises as
-``arraymp.TaskTimeoutError`` naming the call, cancelling the rest as for any
-task's error; tasks then go one per batch, so the limit is each task's (an
-explicit ``batch_size`` puts that many under one limit). ``return_as="generator"`` and
-``"generator_unordered"`` work. A ``Parallel`` call inside a task runs
-sequentially (loky runs it on threads at the first level). Workers limit the
-threads of BLAS and OpenMP to ``cpu_count() // n_jobs`` (or
-``inner_max_num_threads``), through the environment and threadpoolctl when it
-is installed. joblib has no entry point for backends: ``import arraymp.joblib``
-is what registers it.
+cancelled (the pool is terminated and restarted, unless another call has tasks
+in it: then they run to their end and their results are dropped); ``timeout=``
+works; a worker that dies (a signal, the out-of-memory killer) fails its task
+with ``arraymp.WorkerLostError`` instead of hanging; ``n_jobs=-1`` uses every
+CPU; ``batch_size="auto"`` batches short tasks; ``task_timeout=`` (seconds:
+``parallel_config(backend="arraymp", task_timeout=30)``) ends a task that runs
+longer, measured from its start in its worker (the worker gets SIGTERM, then
+SIGKILL), which Parallel raises as ``arraymp.TaskTimeoutError`` naming the
+call, cancelling the rest as for any task's error; tasks then go one per
+batch, so the limit is each task's (an explicit ``batch_size`` puts that many
+under one limit). ``return_as="generator"`` and ``"generator_unordered"``
+work; under ``"generator_unordered"`` each of joblib's batches goes to the
+workers in a message of its own (``apply_async(alone=True)``), so a fast
+result is never held behind a slow task. A ``Parallel`` call inside a task
+runs on threads (sequentially one level further down), as under loky; one
+that names the arraymp backend there runs with ``n_jobs=1`` and warns: the
+workers are daemonic, as the stdlib Pool's. Workers limit the threads of BLAS
+and OpenMP to ``cpu_count() // n_jobs`` (or ``inner_max_num_threads``),
+through the environment and threadpoolctl when it is installed. joblib has no
+entry point for backends: ``import arraymp.joblib`` is what registers it.
 """
 
 from __future__ import annotations
 
 import collections
 import os
-import pickle
-import sys
 import threading
-import types
 import warnings
 from multiprocessing import pool as _mp_pool
 
@@ -84,14 +101,6 @@ except ImportError as _exc:
         "mp-reductions,shm-cuda,mp-spawn} '.[joblib]'`)"
     ) from _exc
 
-try:  # joblib vendored it before 1.5; loky uses it when installed
-    import cloudpickle
-except ImportError:  # pragma: no cover
-    try:
-        from joblib.externals import cloudpickle
-    except ImportError:
-        cloudpickle = None
-
 import numpy as np
 from mp_reductions import TaskTimeoutError, check_timeout, is_shared
 from mp_reductions import call_repr as _call_repr
@@ -101,40 +110,55 @@ import arraymp
 __all__ = ["ArraympBackend", "shutdown"]
 
 _START_METHODS = ("fork", "spawn", "forkserver")
+# The backend's own options, taken the same way from either entry: ``parallel_config(backend="arraymp", ...)`` /
+# ``parallel_backend("arraymp", ...)`` (the constructor) and ``Parallel(backend="arraymp", ...)`` (configure, for
+# that call). loky's and multiprocessing's (joblib's user guide), then ours; their defaults.
+_OPTIONS = {
+    "initializer": None,
+    "initargs": (),
+    "idle_worker_timeout": 300,
+    "maxtasksperchild": None,
+    "context": None,
+    "start_method": None,
+    "task_timeout": None,
+}
 
 
 class ArraympBackend(AutoBatchingMixin, joblib.ParallelBackendBase):
     """joblib's backend over arraymp's Pool (registered as ``"arraymp"``): see the module's docstring.
 
-    ``start_method``: ``"fork"``, ``"spawn"`` or ``"forkserver"`` (None: arraymp's default);
-    ``idle_worker_timeout``: seconds an idle pool is kept for the next call (300, as loky's);
-    ``task_timeout``: seconds a task may run (None: no limit), see the module's docstring.
+    ``initializer``, ``initargs``: a function called with these arguments in every worker as it starts (loky's and
+    multiprocessing's option); ``idle_worker_timeout``: seconds an idle pool is kept for the next call (300, as
+    loky's); ``maxtasksperchild``: tasks a worker runs before a fresh one replaces it (multiprocessing's);
+    ``start_method``: ``"fork"``, ``"spawn"`` or ``"forkserver"`` (None: arraymp's default), or ``context``, a
+    multiprocessing context of one of them (multiprocessing's); ``task_timeout``: seconds a task may run (None: no
+    limit), see the module's docstring. Any other option is refused with TypeError, through either entry.
     """
 
     supports_retrieve_callback = True
     supports_inner_max_num_threads = True
 
-    def __init__(
-        self,
-        nesting_level=None,
-        inner_max_num_threads=None,
-        start_method=None,
-        idle_worker_timeout=300,
-        task_timeout=None,
-        **backend_kwargs,
-    ):
-        super().__init__(nesting_level=nesting_level, inner_max_num_threads=inner_max_num_threads, **backend_kwargs)
-        _check_start_method(start_method)
-        self.start_method = start_method
-        self.idle_worker_timeout = idle_worker_timeout
-        self.task_timeout = check_timeout(task_timeout, "task_timeout")
+    def __init__(self, nesting_level=None, inner_max_num_threads=None, **options):
+        super().__init__(nesting_level=nesting_level, inner_max_num_threads=inner_max_num_threads)
+        self._defaults = {**_OPTIONS, **_check_options(options)}  # this backend's, for every call
+        self._apply(self._defaults)
         self.parallel = None
-        self._key = None
+        self._key = self._init = None
+        self._workers: _Workers | None = None  # the pool this call runs on, as loky's backend names its executor
         self._max_nbytes: int | None = 1_000_000
         self._writable_inputs = False
+        self._alone = False  # this call wants each result as its task ends: its batches go alone to the workers
         self._inputs: dict[int, tuple] = {}  # id(array) -> (array, its shared copy): this call's, see _share
         self._inputs_lock = threading.Lock()
         self._batches = 0
+
+    def _apply(self, options: dict) -> None:
+        """Make ``options`` (checked) the current call's."""
+        self.start_method = options["start_method"]
+        self.idle_worker_timeout = options["idle_worker_timeout"]
+        self.task_timeout = options["task_timeout"]
+        self.initializer, self.initargs = options["initializer"], options["initargs"]
+        self.maxtasksperchild = options["maxtasksperchild"]
 
     # ------------------------------------------------------------------ configuration
     def configure(
@@ -143,41 +167,39 @@ class ArraympBackend(AutoBatchingMixin, joblib.ParallelBackendBase):
         parallel=None,
         prefer=None,
         require=None,
-        start_method=None,
-        idle_worker_timeout=None,
-        task_timeout=None,
         max_nbytes=1_000_000,
         mmap_mode="r",
         temp_folder=None,
-        context=None,
         verbose=0,
-        **unknown,
+        context=None,
+        **options,
     ):
-        """Check the arguments, choose the pool (started at the first task); the number of workers."""
-        # ``context``: joblib passes the stdlib's default context to every backend; ours is ``start_method``.
-        if unknown:
-            raise TypeError(
-                f"the arraymp backend takes no argument {', '.join(map(repr, unknown))}; it takes "
-                "start_method, idle_worker_timeout, task_timeout, max_nbytes and mmap_mode"
-            )
+        """Check the arguments and start the pool (kept for the next calls); the number of workers.
+
+        ``options``: the backend's own given to ``Parallel``, over the constructor's for this call. joblib's:
+        ``temp_folder`` and ``verbose`` change nothing (no array goes through a file; the workers log nothing);
+        ``context`` is joblib's default multiprocessing context, passed to every backend (ours: ``start_method``,
+        or ``context`` given to ``parallel_config``)."""
+        call = {**self._defaults, **_check_options(options)}
         n_jobs = self.effective_n_jobs(n_jobs)
         if n_jobs == 1:
             raise FallbackToBackend(SequentialBackend(nesting_level=self.nesting_level))
-        _check_start_method(start_method)
-        method = start_method or self.start_method or arraymp.get_start_method()
-        if idle_worker_timeout is not None:
-            self.idle_worker_timeout = idle_worker_timeout
-        if task_timeout is not None:
-            self.task_timeout = check_timeout(task_timeout, "task_timeout")
+        self._apply(call)
+        # arraymp's default context is the stdlib's current start method, or the platform's default where that is
+        # another library's (a loky worker's "loky")
+        method = self.start_method or arraymp.get_context().get_start_method()
         if isinstance(max_nbytes, str):
             from joblib.disk import memstr_to_bytes
 
             max_nbytes = memstr_to_bytes(max_nbytes)
         self._max_nbytes = None if mmap_mode == "c" else max_nbytes
         self._writable_inputs = mmap_mode in ("r+", "w+")
+        self._alone = not getattr(parallel, "return_ordered", True)  # return_as="generator_unordered"
         env = self._prepare_worker_env(n_jobs)
-        self._key = (n_jobs, method, tuple(sorted(env.items())))
+        self._key = (n_jobs, method, tuple(sorted(env.items())), self.maxtasksperchild)
+        self._init = (self.initializer, tuple(self.initargs))
         self.parallel = parallel
+        self._workers = _ready(self._key, self._init, self.idle_worker_timeout)  # started now, as loky's
         return n_jobs
 
     def effective_n_jobs(self, n_jobs):
@@ -186,7 +208,7 @@ class ArraympBackend(AutoBatchingMixin, joblib.ParallelBackendBase):
             raise ValueError("n_jobs == 0 in Parallel has no meaning")
         if n_jobs is None:
             return 1
-        if arraymp.current_process().daemon:  # a pool worker (ours, the stdlib's, loky's): no children
+        if arraymp.current_process().daemon:  # a daemonic pool worker (ours, the stdlib's): no children
             if n_jobs != 1:
                 warnings.warn(
                     "arraymp-backed parallel loops cannot be nested in a worker process, setting n_jobs=1", stacklevel=3
@@ -206,10 +228,6 @@ class ArraympBackend(AutoBatchingMixin, joblib.ParallelBackendBase):
         """joblib's automatic batch size, but 1 under a ``task_timeout``: the limit is each task's."""
         return 1 if self.task_timeout is not None else super().compute_batch_size()
 
-    def get_nested_backend(self):
-        """A ``Parallel`` call inside a task runs sequentially."""
-        return SequentialBackend(nesting_level=(self.nesting_level or 0) + 1), None
-
     # ------------------------------------------------------------------ the calls
     def start_call(self):
         self._forget_inputs()
@@ -221,17 +239,18 @@ class ArraympBackend(AutoBatchingMixin, joblib.ParallelBackendBase):
     def terminate(self):
         """End of a call: the workers stay for the next one (see :func:`shutdown`)."""
         self._forget_inputs()
+        self._workers = None
         self.reset_batch_stats()
 
     def submit(self, func, callback=None):
         """Send a batch (joblib's ``BatchedCalls``) to the pool: an AsyncResult; ``callback`` gets ``(ok, value)``."""
         if self._key is None:
             raise RuntimeError("the arraymp backend was not configured: use it through joblib.Parallel")
-        task = _batch_name(func) if self.task_timeout is not None else None  # (before _prepare wraps it)
+        task = _batch_name(func) if self.task_timeout is not None else None  # (its arguments as the caller gave them)
         index, self._batches = self._batches, self._batches + 1
-        if hasattr(func, "items"):  # joblib's BatchedCalls: its big inputs shared once, its functions portable
+        if hasattr(func, "items"):  # joblib's BatchedCalls: its big inputs shared once
             func.items = self._prepare(func.items)
-        workers = _acquire(self._key, self.idle_worker_timeout, self)
+        workers = self._workers = _acquire(self._key, self._init, self.idle_worker_timeout, self)
 
         def done(value):
             workers.finished(self)
@@ -248,7 +267,7 @@ class ArraympBackend(AutoBatchingMixin, joblib.ParallelBackendBase):
 
         try:
             return workers.pool.apply_async(_run, (func,), callback=done, error_callback=failed,
-                                            timeout=self.task_timeout)
+                                            timeout=self.task_timeout, alone=self._alone)
         except BaseException:
             workers.finished(self)
             raise
@@ -267,33 +286,34 @@ class ArraympBackend(AutoBatchingMixin, joblib.ParallelBackendBase):
     def abort_everything(self, ensure_ready=True):
         """After an error or a timeout: terminate the pool, which kills the running tasks (unless another call
         has tasks in it too: then this call's tasks finish and their results are dropped)."""
-        _abort(self)  # the next task starts a new pool: ready either way
+        _abort(self)
         self._forget_inputs()
         self.reset_batch_stats()
+        # a managed Parallel (``with Parallel(...) as p``) has a pool ready for its next call, as loky's
+        self._workers = _ready(self._key, self._init, self.idle_worker_timeout) if ensure_ready else None
 
     # ------------------------------------------------------------------ inputs and results
     def _prepare(self, items: list) -> list:
-        """A batch's ``(function, args, kwargs)`` items with their functions portable and their big arrays shared;
-        an item with neither is kept as it is (batches of thousands of tiny tasks pass through here)."""
-        fork, share, nd, mm = self._key[1] == "fork", self._max_nbytes is not None, np.ndarray, np.memmap
-        last_f = last_g = None  # a batch mostly calls one function
+        """A batch's ``(function, args, kwargs)`` items with their big arrays shared; an item with none is kept as it
+        is (batches of thousands of tiny tasks pass through here). Functions and classes that pickle cannot send by
+        name, anywhere in an item, go by value (the Pool's pickler: mp_reductions' _byvalue Note [by value])."""
+        if self._max_nbytes is None:
+            return items
+        nd, mm = np.ndarray, np.memmap
         out = []
         for item in items:
             f, args, kwargs = item
-            if f is not last_f:
-                last_f, last_g = f, _portable(f, fork)
-            changed = last_g is not f
-            if share:
-                for a in args:
-                    if type(a) is nd or type(a) is mm:
-                        args, changed = tuple([self._share(a) for a in args]), True
+            changed = False
+            for a in args:
+                if type(a) is nd or type(a) is mm:
+                    args, changed = tuple([self._share(a) for a in args]), True
+                    break
+            if kwargs:
+                for v in kwargs.values():
+                    if type(v) is nd or type(v) is mm:
+                        kwargs, changed = {k: self._share(v) for k, v in kwargs.items()}, True
                         break
-                if kwargs:
-                    for v in kwargs.values():
-                        if type(v) is nd or type(v) is mm:
-                            kwargs, changed = {k: self._share(v) for k, v in kwargs.items()}, True
-                            break
-            out.append((last_g, args, kwargs) if changed else item)
+            out.append((f, args, kwargs) if changed else item)
         return out
 
     def _share(self, obj):
@@ -325,9 +345,37 @@ class ArraympBackend(AutoBatchingMixin, joblib.ParallelBackendBase):
             self._inputs = {}  # tasks in flight hold their own references to the segments
 
 
-def _check_start_method(method) -> None:
-    if method is not None and method not in _START_METHODS:
-        raise ValueError(f"start_method={method!r} is not one of {', '.join(_START_METHODS)}")
+def _check_options(options: dict) -> dict:
+    """The backend's own options, checked (either entry alike): TypeError for one it does not take."""
+    unknown = [name for name in options if name not in _OPTIONS]
+    if unknown:
+        raise TypeError(
+            f"the arraymp backend takes no argument {', '.join(map(repr, unknown))}; it takes "
+            f"{', '.join(_OPTIONS)} (and joblib's own: n_jobs, batch_size, max_nbytes, mmap_mode, ...)"
+        )
+    out = dict(options)
+    context = out.pop("context", None)
+    if context is not None:  # multiprocessing's option: a context, or its name
+        method = context if isinstance(context, str) else getattr(context, "get_start_method", lambda: context)()
+        if out.get("start_method") not in (None, method):
+            raise ValueError(f"start_method={out['start_method']!r} and context={context!r} disagree: give one")
+        out["start_method"] = method
+    if out.get("start_method") is not None and out["start_method"] not in _START_METHODS:
+        raise ValueError(f"start_method={out['start_method']!r} is not one of {', '.join(_START_METHODS)}")
+    if "task_timeout" in out:
+        out["task_timeout"] = check_timeout(out["task_timeout"], "task_timeout")
+    if "idle_worker_timeout" in out:
+        idle = out["idle_worker_timeout"]
+        if isinstance(idle, bool) or not isinstance(idle, (int, float)) or not idle >= 0:
+            raise ValueError(f"idle_worker_timeout must be a number of seconds (0 or more), not {idle!r}")
+    if out.get("initializer") is not None and not callable(out["initializer"]):
+        raise TypeError(f"initializer must be a callable, not {type(out['initializer']).__name__}")
+    if "initargs" in out:
+        out["initargs"] = tuple(out["initargs"])
+    tasks = out.get("maxtasksperchild")
+    if tasks is not None and (isinstance(tasks, bool) or not isinstance(tasks, int) or tasks <= 0):
+        raise ValueError(f"maxtasksperchild must be a positive int or None, not {tasks!r}")
+    return out
 
 
 # ---------------------------------------------------------------------- in the workers
@@ -363,53 +411,43 @@ def _run(batch):
         return _Raised(_mp_pool.ExceptionWithTraceback(e, e.__traceback__))
 
 
-def _init_worker(env: dict) -> None:
-    """Limit the threads of BLAS / OpenMP in a worker to its share of the CPUs."""
+def _init_worker(env: dict, initializer=None, *initargs) -> None:
+    """Limit the threads of BLAS / OpenMP in a worker to its share of the CPUs, then call the user's initializer
+    (the pool sends it and each of its arguments by value where pickle cannot send them by name)."""
     os.environ.update(env)
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:
-        return
-    threadpool_limits(int(env["OMP_NUM_THREADS"]))
-
-
-def _portable(func, fork: bool):
-    """``func``, or a stand-in that sends it with cloudpickle when pickle would send it by a name the worker
-    cannot look up (a lambda, a closure, a function of an interactive ``__main__`` in a worker that did not fork)."""
-    if not isinstance(func, types.FunctionType):
-        return func
-    module = sys.modules.get(func.__module__)
-    obj = module
-    for part in func.__qualname__.split("."):
-        obj = getattr(obj, part, None)
-    # A worker that did not fork imports the main script as __mp_main__ (multiprocessing's spawn.prepare), so a
-    # function of a main module with a file is found there; an interactive session's is not.
-    if cloudpickle is None or obj is func and (fork or func.__module__ != "__main__" or hasattr(module, "__file__")):
-        return func
-    return _CloudFunction(func)
-
-
-class _CloudFunction:
-    __slots__ = ("func",)
-
-    def __init__(self, func):
-        self.func = func
-
-    def __reduce__(self):
-        return pickle.loads, (cloudpickle.dumps(self.func),)  # rebuilt as the function itself
+        pass
+    else:
+        threadpool_limits(int(env["OMP_NUM_THREADS"]))
+    if initializer is not None:
+        initializer(*initargs)
 
 
 # ---------------------------------------------------------------------- the reusable pool
 class _Workers:
-    """One pool shared by the calls with the same key, with the tasks each call has in it."""
+    """One pool shared by the calls with the same key and initializer, with the tasks each call has in it."""
 
-    def __init__(self, key, idle: float):
-        n_jobs, method, env = key
-        self.key, self.idle = key, idle
-        self.pool = arraymp.get_context(method).Pool(n_jobs, _init_worker, (dict(env),))
+    def __init__(self, key, init, idle: float):
+        n_jobs, method, env, maxtasks = key
+        initializer, initargs = init
+        self.key, self.init, self.idle = key, init, idle
+        self.pool = arraymp.get_context(method).Pool(n_jobs, _init_worker, (dict(env), initializer, *initargs),
+                                                     maxtasks)
         self.running: collections.Counter = collections.Counter()  # backend -> its tasks in the pool
         self.retired = self.terminated = False
         self.timer: threading.Timer | None = None
+
+    def serves(self, key, init) -> bool:
+        """Whether a call with ``key`` and ``init`` may run here (the initializer and its arguments equal, as
+        loky reuses its workers; arguments that cannot say so, arrays, must be the same objects)."""
+        if self.key != key:
+            return False
+        try:
+            return self.init is init or bool(self.init == init)
+        except Exception:  # (an array's == is elementwise)
+            return False
 
     def started(self, call) -> None:  # _LOCK held
         self.running[call] += 1
@@ -458,20 +496,49 @@ class _Workers:
 
 _LOCK = threading.Lock()
 _CURRENT: _Workers | None = None
+_INHERITED: list[_Workers] = []  # a fork child's: its parent's pool, whose threads did not come with the fork
 
 
-def _acquire(key, idle: float, call) -> _Workers:
-    """The pool for ``key`` (started if there is none), with one more task of ``call`` counted in it."""
+def _after_fork_in_child() -> None:
+    """A process forked from one that ran calls (a non-daemonic child, ``os.fork``) starts a pool of its own: the
+    parent's is kept referenced, never used nor collected here (its finalizer would nudge the parent's threads)."""
+    global _CURRENT, _LOCK
+    _LOCK = threading.Lock()
+    if _CURRENT is not None:
+        _INHERITED.append(_CURRENT)
+    _CURRENT = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _current(key, init, idle: float) -> _Workers:  # _LOCK held
+    """The pool for ``key`` and ``init``, started if there is none (the one before retired)."""
     global _CURRENT
+    w = _CURRENT
+    if w is not None and not w.serves(key, init):
+        _CURRENT = None
+        w.retire()  # closed once its tasks are done
+        w = None
+    if w is None:
+        w = _CURRENT = _Workers(key, init, idle)
+    w.idle = idle
+    return w
+
+
+def _ready(key, init, idle: float) -> _Workers:
+    """The pool for a call being configured: started now, closed after ``idle`` seconds if no task comes."""
     with _LOCK:
-        w = _CURRENT
-        if w is not None and w.key != key:
-            _CURRENT = None
-            w.retire()  # closed once its tasks are done
-            w = None
-        if w is None:
-            w = _CURRENT = _Workers(key, idle)
-        w.idle = idle
+        w = _current(key, init, idle)
+        if not w.running:
+            w._close_later(idle)
+        return w
+
+
+def _acquire(key, init, idle: float, call) -> _Workers:
+    """The pool for ``key`` and ``init`` (started if there is none), with one more task of ``call`` counted in it."""
+    with _LOCK:
+        w = _current(key, init, idle)
         w.started(call)
         return w
 

@@ -241,6 +241,17 @@ class PoolSuite:
             pool.close()
             pool.join()
 
+    def test_an_initializer_pickle_cannot_send_by_name_goes_by_value(self, ctx):
+        # _byvalue Note [by value]: a spawn or forkserver worker unpickles its initializer and initargs; a closure,
+        # and a lambda among its arguments, go by value (the stdlib's worker fails to find them)
+        k = 5
+
+        def init(f):
+            T.set_value(f(k))
+
+        with mpr.Pool(2, initializer=init, initargs=(lambda x: x * 3,), maxtasksperchild=1, context=ctx) as pool:
+            assert pool.map(T.get_value, range(4), chunksize=1) == [15] * 4  # retired workers' replacements too
+
     def test_workers_are_daemonic_unless_daemon_false(self, ctx):
         for daemon in (True, False):
             with mpr.Pool(1, context=ctx, daemon=daemon) as pool:
@@ -313,6 +324,34 @@ class PoolSuite:
                 time.sleep(0.001)
             assert assert_prompt(naps.get, TIMEOUT) == [0.05] * 12
             assert not blocked.ready()
+
+    def test_messages_sent_to_a_worker_that_takes_none_run_on_an_idle_one(self, ctx):
+        # Note [lost tasks]: a worker that has taken none of its messages yet (one still starting on a loaded
+        # machine; here one stopped) holds them while the other finishes its own: each is taken back for the idle
+        # one, which would otherwise wait for no result that could move them later
+        with mpr.Pool(2, context=ctx) as pool:
+            assert sorted(pool.map(T.getpid, range(8), chunksize=1))  # both workers up
+            stopped = pool._pool[1].pid
+            os.kill(stopped, signal.SIGSTOP)
+            try:
+                rs = [pool.apply_async(T.getpid) for _ in range(8)]  # sent in turn to each slot
+                assert {assert_prompt(r.get, TIMEOUT) for r in rs} == {pool._pool[0].pid}
+            finally:
+                os.kill(stopped, signal.SIGCONT)
+
+    def test_a_call_alone_is_never_batched_behind_a_slow_task(self, ctx):
+        # Note [batches]: apply_async(alone=True) sends each task in a message of its own, also when many are ready
+        # at once and the pool batches short ones; a slow one holds no other behind it
+        with mpr.Pool(2, context=ctx) as pool:
+            pool.map(T.square, range(3000), chunksize=1)  # short tasks: the pool batches now
+            assert pool._core.slots.n > 1
+            done: list[float] = []
+            before = _stats.counts[_stats.MESSAGES_SENT]
+            rs = [pool.apply_async(T.nap, (3.0 if i == 5 else 0.0,), callback=done.append, alone=True)
+                  for i in range(200)]
+            assert [r.get(TIMEOUT) for r in rs] == [3.0 if i == 5 else 0.0 for i in range(200)]
+            assert _stats.counts[_stats.MESSAGES_SENT] - before >= 200, "tasks sent alone were batched"
+            assert done[-1] == 3.0, "a short task finished after the slow one"
 
     def test_sigkill_of_an_idle_worker_loses_nothing(self, ctx):
         with mpr.Pool(2, context=ctx) as pool:

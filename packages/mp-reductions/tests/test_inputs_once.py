@@ -3,6 +3,7 @@ each task still gets its own array (_reductions Note [inputs once per call])."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import multiprocessing
@@ -74,3 +75,32 @@ def test_a_call_keeps_its_inputs_weakly():
         gc.collect()
         assert ref() is None
     pool.join()
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_each_map_call_copies_its_input_once_the_executor_s_too(method):
+    # issue 43 item 4: map, starmap, imap and the executor's map of 16 tasks that all take one unshared array: the
+    # caller copies it into shared memory twice (the first task's message, then the call's shared copy that every
+    # later message names), whatever the number of tasks; arraymp.stats() counts each copy once
+    big = np.ones(BIG, np.float64)
+    ctx = multiprocessing.get_context(method)
+    with mpr.Pool(2, context=ctx) as pool, mpr.ProcessPoolExecutor(2, mp_context=ctx) as ex:
+        calls = {
+            "starmap": lambda: pool.starmap(T.write_own_input, [(big, i) for i in range(16)], chunksize=1),
+            "map": lambda: pool.map(functools.partial(T.write_own_input, big), range(16), chunksize=1),
+            "imap": lambda: list(pool.imap(functools.partial(T.write_own_input, big), range(16))),
+            "executor map": lambda: list(ex.map(T.write_own_input, [big] * 16, range(16))),
+        }
+        for name, call in calls.items():
+            with mpr.stats() as s:
+                got = call()
+            assert got == [(1.0, True, 1.0)] * 16, name  # each task its own writable copy
+            counts = s.as_dict()
+            assert (counts["arrays_copied"], counts["bytes_copied"]) == (2, 2 * big.nbytes), (name, counts)
+            assert counts["handles_sent"] >= 14, (name, counts)
+        # submit in a loop is not one call: each takes a copy of its own
+        with mpr.stats() as s:
+            futures = [ex.submit(T.write_own_input, big, i) for i in range(3)]
+            assert [f.result() for f in futures] == [(1.0, True, 1.0)] * 3
+        assert s.as_dict()["arrays_copied"] == 3
+    assert big[0] == 1.0

@@ -89,11 +89,15 @@ def reduce_ndarray(arr: np.ndarray, own: bool = False):
             return rebuild_own, (ref, None, offset, arr.shape, strides, _dtype(arr.dtype), readonly)
         # each task its own copy, as from the stdlib's pickle; a launch's copy is the child's own
         rebuild = rebuild_own_copy if outgoing else rebuild_own
+        if outgoing:  # the call's shared copy (counted as copied when made: input_copy), named by a handle
+            ctx.arrays += 1
+            ctx.n_handles += 1
+        else:
+            c = _stats.counts
+            c[_stats.ARRAYS_COPIED] += 1
+            c[_stats.BYTES_COPIED] += arr.nbytes
         arr = shared
         found = _shared.segment_of(arr)
-        c = _stats.counts
-        c[_stats.ARRAYS_COPIED] += 1
-        c[_stats.BYTES_COPIED] += arr.nbytes
     elif not outgoing:
         _stats.counts[_stats.HANDLES_SENT] += 1
     else:
@@ -300,7 +304,10 @@ def rebuild_ndarray(ref, size, offset, shape, strides, dtype, readonly, block=No
 # rebuilding its own copy from it (``rebuild_own_copy``). An entry holds its array weakly (an id is the array's only
 # while it lives: a new array with the same id is a new entry); the table goes when the call's result is complete
 # (its _Cache entry goes), and the shared copy's segment goes back to the recycling pool once the last task's view is
-# gone. Only map-like calls have a table.
+# gone. Only map-like calls have a table (an apply sends one task, and ``submit`` in a loop is not one call); the
+# executor's ``map`` submits a call per chunk, and its calls share one table, found by their chunk function (one
+# ``process_chunk`` partial per map: executor._Call), which goes with the map. ``stats()`` counts the shared copy
+# once, as it is made; each message then names it as a handle.
 #
 # Not covered: a caller who changes the array while the call runs: the stdlib's tasks pickled later see the change,
 # ours after the first two do not.

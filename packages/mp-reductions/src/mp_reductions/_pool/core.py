@@ -26,6 +26,7 @@ Exception is logged and its result set all the same (the stdlib's result handler
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import pickle
 import queue
@@ -37,6 +38,7 @@ from typing import Any
 import shm_manager
 
 from .. import _recycle
+from .._byvalue import target
 from .._channel import Packet, recv_raw
 from .._queues import SimpleQueue
 from .._reductions import init_reductions
@@ -95,6 +97,8 @@ class Core:
             _check_main_importable(self.method)
         if self.method == "forkserver":
             _preload_in_fork_server(ctx)
+        if self.method != "fork":  # pickled to start each worker: what pickle cannot send by name goes by value
+            initializer, initargs = target(initializer), tuple(map(target, initargs))  # (_byvalue Note [by value])
         self.initializer, self.initargs, self.maxtasks = initializer, initargs, maxtasks
         self.shared_results, self.daemon, self.executor = bool(shared_results), bool(daemon), executor
         self.start_failures_allowed = 1 if executor else processes  # slots Note [start failures]
@@ -320,7 +324,10 @@ def _quietly(call, *args) -> None:
 #
 # Why: the stdlib's server preloads only the main module (and 3.11-3.13 do not even that: the key they pass is not
 # the one the server reads), so every worker imported numpy and this package anew: 100-250 ms each before its first
-# task. The server imports them at start (an ImportError there is ignored, as for any preload name).
+# task. The server imports them at start (an ImportError there is ignored, as for any preload name). In a process
+# whose start method is another library's (a loky worker's "loky"), every forkserver child's preparation sets that
+# start method, which only the module that registers it makes known: that module is preloaded too (else every worker
+# died at its start with "cannot find context for 'loky'").
 _PRELOAD = ("mp_reductions", "arraymp")  # this package, and the facade when it is what made the pool
 
 
@@ -333,5 +340,10 @@ def _preload_in_fork_server(ctx) -> None:
     if not isinstance(names, list):
         return
     extra = [n for n in _PRELOAD if n in sys.modules and n not in names]
+    current = multiprocessing.get_start_method(allow_none=True)
+    if current not in (None, "fork", "spawn", "forkserver"):  # (3.14 lists loky's among get_all_start_methods)
+        module = type(multiprocessing.get_context()).__module__  # the context's: it registered the method
+        if module not in names:
+            extra.append(module)
     if extra:
         ctx.set_forkserver_preload([*names, *extra])

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import functools
 import logging
 import os
 import threading
@@ -60,7 +61,7 @@ from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import get_context, util
 from typing import Any, TypeVar
 
-from .._chunks import executor_map
+from .._chunks import executor_map, process_chunk
 from .core import Core
 from .errors import PoolBrokenError, ResultUnpicklingError, WorkerLostError, WorkerStartError, check_timeout
 from .results import call_repr, job_counter, short_repr
@@ -76,6 +77,10 @@ _live: weakref.WeakSet = weakref.WeakSet()  # the states of executors not shut d
 _global_shutdown = False
 
 
+_map_inputs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a map's chunk function -> its inputs table
+_map_inputs_lock = threading.Lock()
+
+
 class _Call:
     """A running future's call, as the core's cache holds it: the core sets it as it sets a Pool's result."""
 
@@ -83,12 +88,16 @@ class _Call:
     _progress = None
     _limit: float | None = None
     _call: str | None = None
+    call_inputs: dict | None = None  # shared by the calls of one ``map`` (_reductions Note [inputs once per call])
 
     def __init__(self, state: _State, core: Core, future: futures.Future, fn, args, kwargs, limit: float | None):
         self.state, self.future = state, future
         self.task: tuple | None = (fn, args, kwargs)
         self._job = next(job_counter)
         self._func = fn
+        if type(fn) is functools.partial and fn.func is process_chunk:  # a chunk of a map: one partial per map
+            with _map_inputs_lock:
+                self.call_inputs = _map_inputs.setdefault(fn, {})
         if limit is not None or core.watchdog.task_timeout is not None:
             self._call = call_repr(args, kwargs)  # for its TaskTimeoutError
         if limit is not None:

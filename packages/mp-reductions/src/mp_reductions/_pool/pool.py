@@ -143,12 +143,16 @@ class Pool(mp_pool.Pool):
                     kwds: Mapping[str, Any] = {},  # noqa: B006 (the stdlib's)
                     callback: Callable[[_R], object] | None = None,
                     error_callback: Callable[[BaseException], object] | None = None, *,
-                    timeout: float | None = None) -> mp_pool.ApplyResult[_R]:
+                    timeout: float | None = None, alone: bool = False) -> mp_pool.ApplyResult[_R]:
         """The stdlib's; ``timeout``: this call's limit in seconds instead of the pool's ``task_timeout``
-        (watchdog Note [task timeouts]). The result's ``get(timeout)`` only stops waiting, as the stdlib's."""
+        (watchdog Note [task timeouts]). The result's ``get(timeout)`` only stops waiting, as the stdlib's.
+        ``alone=True``: the task goes to a worker in a message of its own, never in a batch behind other short
+        tasks (slots Note [batches]), for a caller that takes each result as soon as its task ends."""
         limit = check_timeout(timeout, "timeout")
         self._check_running()
         result = self._result(lambda: ApplyResult(self._cache, callback, error_callback), func)
+        if alone:
+            result.alone = True
         core = self._core
         if limit is not None or core.watchdog.task_timeout is not None:
             result._call = call_repr(args, kwds)  # for its TaskTimeoutError

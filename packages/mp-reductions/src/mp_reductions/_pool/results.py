@@ -111,6 +111,7 @@ class _Pending:
     _progress: Any = None  # a ProgressBar advanced as results arrive, or None
     _sizes: Any = None  # items per task for the bar (None: one each)
     _chunksize = 1
+    alone = False  # its tasks go to the workers one to a message, never batched (slots Note [batches])
 
     def _advance(self, i: int, ok: bool) -> None:
         bar = self._progress

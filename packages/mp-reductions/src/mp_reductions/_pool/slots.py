@@ -3,32 +3,36 @@ which tasks a dead worker took, so that it fails the one it ran and loses no oth
 
 Note [lost tasks]
 ~~~~~~~~~~~~~~~~~
-Invariant: every task sent is, whatever is killed when, finished, failed, or queued for a live or starting
-worker; a dead worker fails at most the one task it was running. The parent sends slot k a message (one task,
-or a batch: Note [batches]) only while it holds fewer than ``DEPTH`` unfinished ones (sent, and neither all
-their results read nor their loss settled), under the slots' lock, and records each with its size in bytes;
-it keeps a reading end of every slot's queue. A worker takes its messages in order, so those still queued are
-the last ones sent, and their total size (SIOCINQ) says how many. When the worker handler reaps worker k (dead:
-it sent all it will ever send), it reads that total under the lock, before the replacement (the only other
-reader) starts: the taken messages are recorded, the queued ones left to the replacement. The result handler
-settles the record once it has read every message queued on the short socket and the outqueue (the dead
-worker's are all there by then): the first recorded task still unfinished (its result did not come) fails with
-WorkerLostError (or TaskTimeoutError: watchdog Note [task timeouts]), the others are ready again, first in
-line. A message queued behind a running one is moved, unchanged, to a slot left with nothing to do when no task
-is ready (told by its bytes: its worker may have taken it meanwhile; a receive that finds nothing moves
-nothing). Stop sentinels go to the slots only once no task is unfinished (close) or at terminate, where the
-messages left in the slots are drained (each unpickled, so that the shared memory it names is given back).
+Invariant: every task sent is, whatever is killed when, finished, failed, or queued for a live or starting worker;
+a dead worker fails at most the one task it was running. The parent sends slot k a message (one task, or a batch:
+Note [batches]) only while it holds fewer than ``DEPTH`` unfinished ones (sent, and neither all their results read
+nor their loss settled), under the slots' lock, and records each with its size in bytes; it keeps a reading end of
+every slot's queue. A worker takes its messages in order, so those still queued are the last ones sent, and their
+total size (SIOCINQ) says how many. When the worker handler reaps worker k (dead: it sent all it will ever send),
+it reads that total under the lock, before the replacement (the only other reader) starts: the taken messages are
+recorded, the queued ones left to the replacement. The result handler settles the record once it has read every
+message queued on the short socket and the outqueue (the dead worker's are all there by then): the first recorded
+task still unfinished (its result did not come) fails with WorkerLostError (or TaskTimeoutError: watchdog Note
+[task timeouts]), the others are ready again, first in line. A message not taken yet is moved, unchanged, to a
+slot left with nothing to do when no task is ready (told by its bytes: its worker may have taken it meanwhile; a
+receive that finds nothing moves nothing), whether its worker runs another or has taken none yet: a worker still
+starting (or one that takes its first message just after the move was decided, and runs long) would otherwise hold
+the others, while the idle slot waits for a result that would move them later, and none may come. Stop sentinels
+go to the slots only once no task is unfinished (close) or at terminate, where the messages left in the slots are
+drained (each unpickled, so that the shared memory it names is given back).
 
 Note [batches]
 ~~~~~~~~~~~~~~
 Invariant: a message holds one task, or several plain ones (naming no shared memory: _channel Note [plain
-messages]) that make about ``BATCH_TIME`` of work by the workers' own measure (each result says how long its
-task ran; ``per_task`` is their moving average), at most ``BATCH_MAX``, no more than a fair share of the ready
-ones, within one message. A task holding shared memory, and every task of a pool whose workers retire after
-``maxtasksperchild`` tasks, go alone; tasks that run long are never batched, so none waits behind a long one
-while another worker idles. A worker runs a batch in order and sends each result before it starts the next, so
-Note [lost tasks] holds per task: in the message a dead worker was running, its first unfinished task is the
-one it ran, and those after it are ready again.
+messages]) that make about ``BATCH_TIME`` of work by the workers' own measure (each result says how long its task
+ran; ``per_task`` is their moving average), at most ``BATCH_MAX``, no more than a fair share of the ready ones,
+within one message. A task holding shared memory, a task of a call that wants each result as soon as its task ends
+(its result's ``alone``: ``apply_async(alone=True)``; joblib's ``return_as="generator_unordered"``), and every
+task of a pool whose workers retire after ``maxtasksperchild`` tasks, go alone; tasks that run long are never
+batched, so none waits behind a long one while another worker idles. (A batch's tasks are short on average, not
+each: one long task among them holds those after it until it ends.) A worker runs a batch in order and sends each
+result before it starts the next, so Note [lost tasks] holds per task: in the message a dead worker was running,
+its first unfinished task is the one it ran, and those after it are ready again.
 
 Note [start failures]
 ~~~~~~~~~~~~~~~~~~~~~
@@ -78,7 +82,8 @@ class Slots:
         self.owner: dict[tuple, int] = {}  # unfinished (job, i) -> its slot
         self.deaths: list[tuple] = []  # (slot, pid, exitcode, the messages it took, how it died), to settle
         # pickled tasks, sent as slots have room: ((job, i), its Packet made with the head (job, i), the head's
-        # length); their weight is 1 for a plain one, BATCH_MAX for one holding shared memory (Note [batches])
+        # length, or None for a task that goes alone); their weight is 1 for one that may be batched, BATCH_MAX
+        # for one that goes alone (Note [batches])
         self.ready: collections.deque = collections.deque()
         self.weight, self.ready_max, self.waiting = 0, DEPTH * BATCH_MAX * processes, False
         self.batches = batches  # False: one task per message (workers that retire after maxtasksperchild)
@@ -96,11 +101,14 @@ class Slots:
         pickling raised (the task's error)."""
         job, i = task[:2]
         result = self.cache.get(job)
-        inputs = self.cache.inputs.setdefault(job, {}) if getattr(result, "once_per_call", False) else None
+        inputs = getattr(result, "call_inputs", None)  # the executor's: one table for the calls of one map
+        if inputs is None and getattr(result, "once_per_call", False):
+            inputs = self.cache.inputs.setdefault(job, {})
         head = pickle.dumps((job, i))
         # may raise: the task's error (_reductions Note [inputs once per call])
         packet = Packet(task, head=head, inputs=inputs)
-        weight = 1 if packet.plain else BATCH_MAX
+        batched = packet.plain and not getattr(result, "alone", False)
+        weight = 1 if batched else BATCH_MAX
         with self.lock:
             while not self.closed and self.broken is None and self.weight >= self.ready_max:
                 self.waiting = True
@@ -111,7 +119,7 @@ class Slots:
                 packet.discard()
                 self.failed.append((job, i, self.broken))
             else:
-                self.ready.append(((job, i), packet, len(head)))
+                self.ready.append(((job, i), packet, len(head) if batched else None))
                 self.weight += weight
                 if min(map(len, self.sent[:self.active])) < DEPTH:  # else no slot takes it now
                     self._send_ready()
@@ -164,14 +172,14 @@ class Slots:
                 self.owner[task] = k
 
     def _take_batch(self, n: int) -> list[tuple]:
-        """The ready tasks for the next message (the lock held): one holding shared memory, or up to ``n`` plain
-        ones."""
+        """The ready tasks for the next message (the lock held): one that goes alone, or up to ``n`` that may be
+        batched (Note [batches])."""
         first = self.ready.popleft()
-        if not first[1].plain:
+        if first[2] is None:
             self.weight -= BATCH_MAX
             return [first]
         items, size = [first], len(first[1].buffers[1])
-        while len(items) < n and self.ready and self.ready[0][1].plain:
+        while len(items) < n and self.ready and self.ready[0][2] is not None:
             size += len(self.ready[0][1].buffers[1])
             if size > BATCH_BYTES:
                 break
@@ -192,10 +200,10 @@ class Slots:
                 result._set(i, (False, e))
 
     def _take_back(self, k: int) -> None:
-        """Move to slot ``k`` the first message not taken yet of a slot whose worker runs another (the lock held)."""
+        """Move to slot ``k`` the first message not taken yet of another slot (the lock held; Note [lost tasks])."""
         for w, sent in enumerate(self.sent):
-            queued_now = queued(sent, queued_bytes(self.queues[w])) if len(sent) > 1 else 0
-            if not 0 < queued_now < len(sent):  # none queued, or none taken yet: its worker is about to take one
+            queued_now = queued(sent, queued_bytes(self.queues[w])) if sent else 0
+            if not queued_now:
                 continue
             try:
                 data, fds, _ = recv_fds(self.queues[w]._reader._sock, INLINE + 16, MAX_FDS + 1, socket.MSG_DONTWAIT)
@@ -299,7 +307,7 @@ class Slots:
                 elif not self.closed and self.broken is None:
                     again.append(items[task])
             self.ready.extendleft(reversed(again))
-            self.weight += len(again)
+            self.weight += sum(1 if item[2] is not None else BATCH_MAX for item in again)
             self._send_ready()
             return running
 

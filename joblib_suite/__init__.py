@@ -1,0 +1,1 @@
+"""joblib's own ``test_parallel.py`` with the backend "arraymp" beside "loky": see ``run.py``."""
