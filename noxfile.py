@@ -272,6 +272,17 @@ def _repair_native_wheel(session: nox.Session, dist: pathlib.Path) -> None:
         session.log(f"{wheel.name}: tags {', '.join(tags)}")
 
 
+# What a PEP 517 frontend asks the build backend of the project in the current folder for, beyond its
+# build-system.requires (get_requires_for_build_wheel, as pip asks it), a line "requires: NAME" each.
+_BACKEND_REQUIRES = """
+import importlib, tomllib
+with open("pyproject.toml", "rb") as f:
+    name = tomllib.load(f)["build-system"]["build-backend"]
+for requirement in importlib.import_module(name).get_requires_for_build_wheel():
+    print("requires:", requirement)
+"""
+
+
 @nox.session
 def release_check(session):
     """Build every package's sdist and wheel into dist/ and check what would be published: repair
@@ -319,7 +330,21 @@ def release_check(session):
 
     py = _fresh_venv(session, "readme")
     wheelhouse = pathlib.Path(session.create_tmp()).resolve() / "third-party"
+    shutil.rmtree(wheelhouse, ignore_errors=True)
     session.run(py, "-m", "pip", "download", "-q", "-d", str(wheelhouse), *FROM_INDEX, *BUILD_BACKENDS, external=True)
+    # and what the backends ask for besides on this machine, as pip asks them: scikit-build-core asks for the ninja
+    # wheel where no ninja is on PATH (most fresh machines), and for the cmake wheel where cmake is too old
+    backends = _fresh_venv(session, "backends")
+    session.run(backends, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheelhouse), *BUILD_BACKENDS,
+                external=True)
+    extra = set()
+    for project in [*sorted(ROOT.glob("packages/*/pyproject.toml")), ROOT / "pyproject.toml"]:
+        with session.chdir(project.parent):
+            out = session.run(backends, "-c", _BACKEND_REQUIRES, silent=True, external=True)
+        extra.update(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("requires:"))
+    if extra:
+        session.log(f"the build backends ask for {sorted(extra)} here")
+        session.run(py, "-m", "pip", "download", "-q", "-d", str(wheelhouse), *sorted(extra), external=True)
     readme = (ROOT / "README.md").read_text().splitlines()
     install = next(line for line in readme if line.startswith("python3 -m pip install") and "packages/" in line)
     # the README's line as written, demo included, with the fresh venv's python3 first on PATH
