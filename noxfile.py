@@ -46,8 +46,9 @@ PKG = {
     "mp_dask": [*FOLDERS, "."],  # the facade too: its get_context("dask") is tested here
     # cupy: the lazy registration of its reducer is tested without a GPU; joblib and scikit-learn: tests/test_joblib.py;
     # a Jupyter kernel run by nbclient: progress='s widget in a notebook (tests/test_progress.py; here only, on the
-    # README's Python: pyzmq has no wheel for every version we test)
-    "facade": [*FOLDERS, ".[cuda12,joblib]", "scikit-learn", "ipykernel", "nbclient", "nbformat", "ipywidgets"],
+    # README's Python: pyzmq has no wheel for every version we test); pyarrow and pandas: docs/payloads.md's samples
+    "facade": [*FOLDERS, ".[cuda12,joblib]", "scikit-learn", "ipykernel", "nbclient", "nbformat", "ipywidgets",
+               "pyarrow", "pandas"],
 }
 # The documentation site's tools (mkdocs.yml): mkdocstrings reads our docstrings from the source, so none of our
 # packages is installed for it.
