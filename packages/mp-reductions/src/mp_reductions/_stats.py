@@ -32,6 +32,14 @@ raises a ``SharingStoppedWarning`` (once per process: a fork child warns again) 
 bytes, and the remedy, and every such array is counted (``fallbacks``, ``fallback_bytes``). On our channels
 the warning comes while the message is pickled, before it is sent: a filter that makes it an error fails the
 ``put`` with nothing sent.
+
+Note [copy hints]: ``hints()`` gives the remedy that fits what was copied. A numpy array (a pandas frame's numeric
+block too) can be made in shared memory beforehand, and then travels as a handle with no copy: its hint says how. A
+protocol-5 buffer of pyarrow's (an Arrow Table's, RecordBatch's or Arrow-backed pandas column's) cannot: pyarrow
+allocates from its own memory pool and nothing of ours builds a Table, so its one copy on send is the least it can
+cost, and what is worth checking is that only the rows meant to go went: a ``Table.slice`` carries its parent's
+whole buffers (docs/payloads.md). So the buffers that are no numpy array's are counted apart (``buffers_copied``,
+``buffer_bytes_copied``, part of ``arrays_copied``), by the sender's ``out_of_band``.
 """
 
 from __future__ import annotations
@@ -357,11 +365,7 @@ class Stats:
             where = f" (first at {self.where})" if self.where else ""
             out.append(f"! {d['fallbacks']:,} array(s), {_human(d['fallback_bytes'])}, went pickled through the "
                        f"socket instead of shared memory{where}: see the SharingStoppedWarning for the remedy")
-        # Note [copy hints]: the remedy depends on what was copied. A numpy array (a pandas frame's numeric block
-        # too) can be made in shared memory beforehand and then travels as a handle; an Arrow buffer cannot (pyarrow
-        # allocates from its own pool, and no constructor of ours builds a Table), so its one copy on send is the
-        # floor, and what is worth checking is that only the rows meant to go went: a slice carries its parent's
-        # whole buffers (docs/payloads.md).
+        # (Note [copy hints])
         arrays = d["arrays_copied"] - d["buffers_copied"]
         array_bytes = d["bytes_copied"] - d["buffer_bytes_copied"]
         if arrays and array_bytes >= 64 << 20:
