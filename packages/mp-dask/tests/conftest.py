@@ -1,5 +1,5 @@
-"""A LocalCluster per test module (loopback, no dashboard, scratch in a temp dir), segments in a private
-directory, and the leak check: no arraymp segment left there after each test."""
+"""A LocalCluster per test module (loopback, its HTTP server on a free port, scratch in a temp dir), segments in a
+private directory, and the leak check: no arraymp segment left there after each test."""
 
 from __future__ import annotations
 
@@ -31,7 +31,9 @@ _recycle.IDLE = float(os.environ["ARRAYMP_RECYCLE_IDLE"])
 # each task runs where its argument was scattered: no stolen task moves an argument between workers, so the
 # handle counts are exact (the LocalCluster's scheduler runs in this process and reads this)
 dask.config.set({"distributed.scheduler.work-stealing": False})
-CLUSTER = {"n_workers": 2, "host": "127.0.0.1", "dashboard_address": None}
+# (the scheduler's HTTP server binds a port whatever dashboard_address says, 8787 for None, and warns when another
+# cluster has it; port 0 takes a free one)
+CLUSTER = {"n_workers": 2, "host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"}
 
 
 def segments() -> set[str]:
