@@ -1,6 +1,6 @@
 """Issue 35, scenario 9: where the stdlib raises nothing, neither do we. Under a file-size limit (``ulimit -f``,
 which memfds obey), a Queue put of a plain 8 MiB array travels (inline, its pickle spilled in pieces under the
-limit: mp_reductions _channel Note [spilled pickles]); making a shared array on purpose says which limit to raise."""
+limit: mp_reductions _pickling Note [spilled pickles]); making a shared array on purpose says which limit to raise."""
 
 import resource
 import subprocess

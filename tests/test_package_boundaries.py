@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -107,3 +108,45 @@ def test_no_import_circles(pkg):
             if target in modules and target != name and not name.startswith(target + "."):
                 graph.setdefault(name, set()).add(target)
     assert not _cycles(graph), f"modules of {pkg} that import each other in a circle: {_cycles(graph)}"
+
+
+INTERNALS = REPO / "docs" / "internals.md"
+_SECTION = re.compile(r"^## .*?\(`(?P<root>[^`]+)`\)$", re.M)
+_ROW = re.compile(r"^\| (?P<layer>\d+) \| (?P<modules>[^|]+) \|", re.M)
+
+
+def _layers() -> dict[str, dict[str, int]]:
+    """docs/internals.md's layers: package -> module (dotted, as _modules names it) -> layer."""
+    text = INTERNALS.read_text()
+    sections = list(_SECTION.finditer(text))
+    out = {}
+    for m, end in zip(sections, [*sections[1:], None], strict=True):
+        pkg = pathlib.Path(m["root"]).name
+        body = text[m.end():end.start() if end else len(text)]
+        out[pkg] = {}
+        for row in _ROW.finditer(body):
+            for mod in re.findall(r"`([^`]+)`", row["modules"]):
+                name = pkg if mod == "__init__" else f"{pkg}.{mod}"
+                out[pkg][name] = int(row["layer"])
+    return out
+
+
+@pytest.mark.parametrize("pkg", sorted(PACKAGES))
+def test_internals_page_maps_every_module_in_its_layer(pkg):
+    """docs/internals.md names every module once, and each imports only modules of lower layers (its package's
+    __init__ aside, which re-exports them)."""
+    layers = _layers().get(pkg)
+    assert layers is not None, f"docs/internals.md has no section for {pkg}"
+    modules = _modules(PACKAGES[pkg])
+    missing, gone = sorted(set(modules) - set(layers)), sorted(set(layers) - set(modules))
+    assert not missing and not gone, f"docs/internals.md's {pkg} section lacks {missing}, names gone ones {gone}"
+    upward = []
+    for name, path in modules.items():
+        for target, line in _imports(name, path):
+            while target not in modules and "." in target:
+                target = target.rpartition(".")[0]
+            if target in modules and target != name and target != pkg and not name.startswith(target + "."):
+                if layers[target] >= layers[name]:
+                    upward.append(f"{path.relative_to(REPO)}:{line}: {name} (layer {layers[name]}) imports "
+                                  f"{target} (layer {layers[target]})")
+    assert not upward, "imports that do not point down docs/internals.md's layers:\n" + "\n".join(upward)

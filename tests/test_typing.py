@@ -84,7 +84,7 @@ def test_revealed_types(tmp_path):
         "str",
         "mp_reductions._connection.Connection[Any, Any]",
         "numpy.ndarray[tuple[Any, ...], numpy.dtype[Any]]",
-        "mp_spawn._spawn.ProcessContext",
+        "mp_spawn._context.ProcessContext",
         "mp_reductions._pool.pool.Pool",
         "typing.Iterator[int]",
     ], out

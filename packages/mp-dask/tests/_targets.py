@@ -105,3 +105,40 @@ def crash(a):
 
     os.kill(os.getpid(), signal.SIGSEGV)
     time.sleep(60)
+
+
+def _die():
+    os.kill(os.getpid(), 9)
+
+
+class DiesWhenPickled:
+    """A result part whose pickling kills the process, the first time of all (a claim file decides): put after
+    an array, it kills the worker after it counted the array's handle and before the message went."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        try:
+            os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return str, ("sent",)
+        _die()
+        raise AssertionError("unreachable")
+
+
+def result_then_death(a, marker: str):
+    return a * 2, DiesWhenPickled(marker)
+
+
+def full(n: int, value: float):
+    """A fresh array of ``n`` float32 (``n`` >= 16384: 64 KiB or more, a handle where handles go)."""
+    return np.full(n, value, np.float32)
+
+
+def claim_domain(domain: str) -> None:
+    """Make this process say ``domain`` is its shared-memory domain (in its handshakes and checks), as a
+    misconfigured node would: its own check then lets handles through that it cannot open."""
+    from mp_dask import _domain
+
+    _domain.domain = lambda: domain

@@ -3,12 +3,10 @@ private directory, and the leak check: no arraymp segment left there after each 
 
 from __future__ import annotations
 
-import gc
 import os
 import shutil
 import signal
 import tempfile
-import time
 
 import dask
 import pytest
@@ -22,6 +20,7 @@ os.environ.setdefault("ARRAYMP_MANAGER_LINGER", "0.5")
 try:
     import mp_dask
     import mp_reductions
+    from _wait import wait_until
     from mp_reductions import _recycle
 except BaseException:  # this conftest fails to load: no pytest_sessionfinish will remove the directory
     shutil.rmtree(SHM_DIR, ignore_errors=True)
@@ -38,16 +37,6 @@ CLUSTER = {"n_workers": 2, "host": "127.0.0.1", "dashboard_address": "127.0.0.1:
 
 def segments() -> set[str]:
     return {n for n in os.listdir(SHM_DIR) if n.startswith("arraymp_")}
-
-
-def wait_until(pred, timeout: float, what: str) -> float:
-    t0 = time.monotonic()
-    while not pred():
-        if time.monotonic() - t0 > timeout:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        gc.collect()
-        time.sleep(0.05)
-    return time.monotonic() - t0
 
 
 def started(marker: str) -> int:

@@ -12,7 +12,7 @@ import mp_dask
 import mp_reductions
 import numpy as np
 import pytest
-from _targets import DiesWhenUnpickled, f, first_sum, stall_first
+from _targets import DiesWhenUnpickled, f, first_sum, result_then_death, stall_first
 from conftest import CLUSTER, kill, pid_alive, segments, started, wait_until
 
 
@@ -77,3 +77,25 @@ def test_a_worker_killed_before_it_maps_its_argument_leaves_no_segment(scratch):
         p.terminate()
         del a
         wait_until(lambda: not segments(), 3, f"segments to go after terminate(): {segments()}")
+
+
+@pytest.mark.parametrize("front", ["Pool", "ProcessPoolExecutor"])
+def test_a_worker_killed_as_it_sends_a_result_leaves_no_segment(scratch, tmp_path, front):
+    # issue 42 (7): a worker killed after it counted its result's handle and before the result went kept that
+    # segment until the program's group ended (a LocalCluster's workers are of the program's group: until the
+    # program exited). Its results are told to the daemon as sent to the client now, and the pool, done with its
+    # dead worker, has them given back (Note [Counts over Dask] in _transport.py).
+    a = np.full(1 << 18, 3, np.float32)  # 1 MiB: its result a handle too
+    marker = str(tmp_path / "die-once")
+    with mp_dask.get_context(**CLUSTER, local_directory=scratch) as ctx:
+        if front == "Pool":
+            with ctx.Pool(2) as p:
+                out, said = p.apply(result_then_death, (a, marker))  # sent again, to the restarted worker
+        else:
+            with ctx.ProcessPoolExecutor(2) as ex:
+                out, said = ex.submit(result_then_death, a, marker).result(60)
+        assert os.path.exists(marker) and said == "sent"  # the first send killed its worker
+        np.testing.assert_array_equal(out, a * 2)
+        del out, a
+        # the pool is done with it: gone, the cluster still up (on main: until the program exits)
+        wait_until(lambda: not segments(), 3, f"segments to go after the pool closed: {segments()}")

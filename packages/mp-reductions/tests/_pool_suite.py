@@ -500,7 +500,7 @@ class PoolSuite:
     def test_a_worker_killed_before_it_maps_its_task_leaves_no_segment(self, ctx, strategy, shared):
         # issue 35 (9): the in-flight count of a named segment, which a worker takes over as it unpickles its
         # task, stayed until the group ended when the worker died first; the parent keeps it now, until the
-        # task is done with (_reductions Note [kept counts]), and a replacement that gets the array maps it
+        # task is done with (_message Note [kept counts]), and a replacement that gets the array maps it
         with mpr.Pool(1, context=ctx) as pool:
             pids = {os.getpid(), pool._pool[0].pid}
             a = mpr.empty_shared(100_000) if shared else np.empty(100_000)  # 800 KB: a named segment
@@ -517,7 +517,7 @@ class PoolSuite:
     def test_a_worker_killed_after_its_results_count_before_its_send_leaves_no_segment(self, ctx, strategy):
         # issue 35 (8): a worker killed between a result's in-flight count and its send left the count up until
         # the group ended; now the daemon adds it when told or taken, and gives back what the pool never took
-        # once the pool has read all the dead worker sent (_reductions Note [results told])
+        # once the pool has read all the dead worker sent (_message Note [results told])
         with mpr.Pool(1, context=ctx) as pool:
             pids = {os.getpid(), pool._pool[0].pid}
             for _ in range(3):

@@ -452,7 +452,7 @@ def test_fuzzed_headers_raise_clearly(receiver):
 
 
 def bare(code: bytes, shape, data: bytes, flags: int = 0, ndim=None) -> bytes:
-    """A bare array message's payload (_channel Note [bare arrays]) with the given fields."""
+    """A bare array message's payload (_bare Note [bare arrays]) with the given fields."""
     ndim = len(shape) if ndim is None else ndim
     return struct.pack("<cBBB", b"A", flags, len(code), ndim) + code + struct.pack(f"<{len(shape)}q", *shape) + data
 
@@ -519,7 +519,7 @@ def test_forged_bare_handles_raise_clearly_and_keep_no_descriptor(receiver, good
     fds_dir = f"/proc/{receiver.proc.pid}/fd"
     arena = mpr.empty_shared(10)  # a block of an arena segment
     arena_seg = mpr._shared.segment_of(arena)[0]
-    arena_fd = mpr._shared.fd_for_sending(arena_seg, dup=True)
+    arena_fd = mpr._attach.fd_for_sending(arena_seg, dup=True)
     r, w = os.pipe()
     foreign = memfd_with(b"x" * 8192)
     good = good_segment.fd
@@ -612,7 +612,7 @@ def test_a_replayed_named_handle_is_named_as_a_cause():
         mpr.set_sharing_strategy("file_descriptor")
 
 
-# ------------------------------------------------------------------------ spilled messages (_channel Note [spills])
+# ------------------------------------------------------------------------ spilled messages (_pickling Note [spills])
 def spill_segment(nbuf: int, length: int, entries=(), pickled: bytes = b"", pieces=(), *, table: int = 512,
                   at: int = 64, size: int = 4096) -> int:
     """A memfd segment laid out as a spill: count, the table's offset, the pickle's offset and length, the pickle at

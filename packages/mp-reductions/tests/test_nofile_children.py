@@ -1,5 +1,5 @@
 """Issue 42, item 4: every program an arraymp process execs gets the open-files limit it had before arraymp raised
-its own (_nofile Note [open-files limit]), also while it holds descriptors past that limit. As a normal user
+its own (_nofile Note [exec under the old limit]), also while it holds descriptors past that limit. As a normal user
 (soft 1024 under a larger hard limit; the nonroot nox session runs it unprivileged): a process holding 1,500
 shared arrays (descriptors past 1024) starts a C child that fills an ``fd_set`` up to its soft limit (it aborts
 with "bit out of range" past 1024) by every exec path, and Python children read theirs; then again with 300."""

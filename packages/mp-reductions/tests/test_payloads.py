@@ -1,4 +1,4 @@
-"""Any payload through every channel and start method (_channel Note [spills], _reductions Note [small arrays]):
+"""Any payload through every channel and start method (_pickling Note [spills], _reductions Note [small arrays]):
 nested containers of arrays, bytes, bytearrays, strings and out-of-band buffers arrive identical, pickles past the
 socket's message size and protocol-5 buffers through recycled segments, and nothing is left behind (the autouse
 leak check: segments in /dev/shm, descriptors, children)."""
@@ -158,7 +158,7 @@ def test_a_kept_arrow_column_outlives_its_table():
 @pytest.mark.parametrize("channel", ["Queue", "Pipe", "Pool"])
 @pytest.mark.parametrize("method", METHODS)
 def test_a_buffers_rebuild_gets_the_same_type_at_every_size(method, channel):
-    """Issue 42 item 3 (_channel Note [buffer rebuilds]): a user type whose __reduce_ex__(5) hands out a
+    """Issue 42 item 3 (_pickling Note [buffer rebuilds]): a user type whose __reduce_ex__(5) hands out a
     PickleBuffer is rebuilt from what pickle gives in band, a bytearray (writable) or bytes (read-only), at 1 KiB
     and at 1 MiB alike (at 1 MiB it got a memoryview of the segment, and bytearray's methods failed); numpy's
     buffers keep their zero-copy rebuild."""

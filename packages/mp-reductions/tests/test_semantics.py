@@ -380,17 +380,17 @@ def test_a_sent_object_is_not_kept_alive_by_the_pickler():
 def test_a_large_pickle_retires_the_threads_pickler():
     # Note [reused pickler]: the C pickler's memo table never shrinks and clearing it writes all of it, so the
     # thread's pickler is kept across small messages only; after one of 100,000 objects, the next is a new one
-    from mp_reductions import _channel
+    from mp_reductions import _pickling
 
     a, b = mpr.Pipe()
     a.send([1])
-    first = _channel._reused.pickler
+    first = _pickling._reused.pickler
     a.send([2, "two"])
-    assert _channel._reused.pickler is first, "a small message's pickler was not reused"
+    assert _pickling._reused.pickler is first, "a small message's pickler was not reused"
     a.send([str(i) for i in range(100_000)])
-    assert _channel._reused.pickler is None, "the pickler of a large message was kept"
+    assert _pickling._reused.pickler is None, "the pickler of a large message was kept"
     a.send([3])
-    assert _channel._reused.pickler not in (None, first)
+    assert _pickling._reused.pickler not in (None, first)
     assert [b.recv() for _ in range(4)] == [[1], [2, "two"], [str(i) for i in range(100_000)], [3]]
     a.close()
     b.close()

@@ -352,12 +352,12 @@ def test_small_arrays_beside_a_live_born_private_one_travel_inline_and_whole():
 
 def test_fork_gives_the_child_born_private_arrays_copy_on_write():
     import shm_core
-    from mp_reductions import _shared
+    from mp_reductions import _attach, _shared
 
     a = private(T.N, fill=2.0)
     seg = private_segment(a)
     views_before = seg.load(_shared._VIEWS)
-    file = shm_core.attach_fd(_shared.fd_for_sending(seg, dup=True))  # the file itself, mapped once more
+    file = shm_core.attach_fd(_attach.fd_for_sending(seg, dup=True))  # the file itself, mapped once more
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: its writes are its own, and it sees the array as it was at the fork

@@ -1,4 +1,4 @@
-"""Note [Counts given at fork] (_daemon.py): the counts a parent takes for a fork child go back when the child dies,
+"""Note [Counts given at fork] (_books.py): the counts a parent takes for a fork child go back when the child dies,
 even if it dies before it ran a line of ours; a child that claims them holds them as any hold; G and C frames may
 come in either order; a segment whose maker died making it is removed."""
 
@@ -11,7 +11,7 @@ import time
 import shm_core
 import shm_manager
 from conftest import wait_until
-from shm_manager import _client, _paths
+from shm_manager import _paths
 
 
 def made(d: str) -> shm_core.Segment:
@@ -67,7 +67,7 @@ def test_a_claim_before_or_after_its_give_is_one_count(tmp_path, monkeypatch):
         def child(seg=seg, go_r=go_r, claim_first=claim_first):
             if not claim_first:
                 os.read(go_r, 1)  # the parent's give first
-            _client.claim(seg.name, d)
+            shm_manager.claim(seg.name, d)
             shm_manager.flush()
             os.read(go_r, 1)  # then wait to be killed
 
@@ -99,7 +99,7 @@ def test_a_child_that_claims_and_releases_gives_back_once(tmp_path, monkeypatch)
     seg.incref()
 
     def child():
-        _client.claim(seg.name, d)
+        shm_manager.claim(seg.name, d)
         assert shm_manager.release(seg.name, d)
         shm_manager.flush()
 

@@ -1,4 +1,4 @@
-"""Note [Counts sent to a reader] (_daemon.py): a sender adds a message's in-flight count and tells the daemon (T)
+"""Note [Counts sent to a reader] (_books.py): a sender adds a message's in-flight count and tells the daemon (T)
 in one call; the reader's take (A) matches it in either order, once; what a sender told and its reader never took
 goes back once the reader is done with it (S); a sender takes back a count whose message failed (V); a T after
 the reader was done with its sender goes back at once; malformed frames are ignored and the daemon serves on."""

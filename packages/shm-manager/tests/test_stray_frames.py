@@ -1,4 +1,4 @@
-"""Issue 42, item 6 (Note [Booked counts], _daemon.py): a frame from a stray process of the same user announcing a
+"""Issue 42, item 6 (Note [Booked counts], _books.py): a frame from a stray process of the same user announcing a
 count nobody added, alone, twice, on two connections, naming another process, a dead one or one that is not its
 child, or interleaved with others, makes the daemon give back nothing: the live program's segment keeps its count,
 a process that receives its name attaches it, and the daemon serves on."""

@@ -2,8 +2,10 @@
 
 ``arraymp.get_context("dask", ...)`` returns a ``DaskContext``; its Pool and
 ProcessPoolExecutor keep the stdlib's signatures and run their tasks on Dask
-workers. Arrays go between processes of one node as arraymp shared-memory
-handles, between nodes as Dask's usual bytes. The script's functions and
+workers. Arrays go between processes of one shared-memory domain (one node's
+/dev/shm and pid namespace) as arraymp shared-memory handles, elsewhere as
+Dask's usual bytes; a handle that cannot be opened fails its task with
+``DaskHandleError``. The script's functions and
 initializer share one namespace per pool on each worker; tasks lost with a
 worker are sent again, and fail with ``DaskWorkerLostError`` (an
 ``mp_reductions.WorkerLostError``) past Dask's ``allowed-failures``.
@@ -13,10 +15,11 @@ from ._context import DaskContext
 from ._executor import ProcessPoolExecutor
 from ._pool import Pool
 from ._tasks import DaskWorkerLostError
-from ._transport import reset_transfer_counters, transfer_counters
+from ._transport import DaskHandleError, reset_transfer_counters, transfer_counters
 
 __all__ = [
     "DaskContext",
+    "DaskHandleError",
     "DaskWorkerLostError",
     "Pool",
     "ProcessPoolExecutor",

@@ -5,8 +5,11 @@ The context joins a running scheduler (``address``, else
 on first use; it closes only a cluster it started. Its client talks to the
 workers directly (``direct_to_workers``), so task arguments and results go
 between the client and the workers, never through the scheduler, and travel
-as Note [Same-node transport] (_transport.py) says; ``same_node=False`` sends
-bytes everywhere.
+as Note [Same-node transport] (_transport.py) says: as handles only between
+processes of one shared-memory domain, which each process says in its Dask
+handshakes (the client from before it connects, the workers from the
+context's worker plugin, which also publishes them to the scheduler:
+``shm_domains()``); ``same_node=False`` sends bytes everywhere.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import os
 import threading
 
-from . import _deaths, _transport
+from . import _deaths, _domain, _transport
 
 
 class DaskContext:
@@ -37,6 +40,7 @@ class DaskContext:
             if self._client is None:
                 from distributed import Client, LocalCluster
 
+                _domain.install()  # before it connects (Note [Same-node transport])
                 if self._address:
                     self._client = Client(self._address, set_as_default=False, direct_to_workers=True)
                 else:
@@ -51,6 +55,7 @@ class DaskContext:
                         self._cluster = None
                         raise
                 _deaths.tell(self._client)  # once per client (Note [Dask deaths explained])
+                _domain.publish(self._client)  # its workers say their domain, and publish it
             return self._client
 
     def cpu_count(self) -> int:
@@ -80,6 +85,12 @@ class DaskContext:
     def reset_transfer_counters(self) -> None:
         _transport.reset_transfer_counters()
         self.client.run(_transport.reset_transfer_counters)
+
+    def shm_domains(self) -> dict[str, str | None]:
+        """The shared-memory domain each worker published (Note [Same-node transport]), by address, and this
+        process's under ``"client"``: a worker whose domain is the client's gets arrays as handles; None: not
+        told (a worker without mp-dask's plugin), which gets bytes."""
+        return {"client": _domain.domain(), **_domain.published(self.client)}
 
     def close(self) -> None:
         """Close the client, and the cluster when this context started it."""

@@ -51,13 +51,14 @@ from multiprocessing.pool import ExceptionWithTraceback
 
 import dask
 import mp_reductions
+import shm_manager
 from distributed import WorkerPlugin
 from distributed.scheduler import KilledWorker
 from mp_reductions import TaskTimeoutError, WorkerLostError, count, explain
 
-from . import _deaths, _script
+from . import _deaths, _domain, _script
 from ._timeouts import Limited, timed_out
-from ._transport import Shipped, dumps_for_pool
+from ._transport import DaskHandleError, Shipped, dumps_for_pool, receiver
 
 _CANCELLED = (concurrent.futures.CancelledError, asyncio.CancelledError)  # what a cancelled Dask future raises
 
@@ -95,6 +96,10 @@ def run(call: bytes, shipped: Shipped, token: str | None = None, limit: float | 
     """One task, on a worker: ``call`` is ``(star, func)`` pickled by ``dumps_for_pool``; ``limit``: its time
     limit in seconds, ``token`` its name for it (Note [Dask task timeouts])."""
     try:
+        if shipped.error is not None:  # its arguments could not be opened here (Note [Same-node transport])
+            if isinstance(shipped.error, DaskHandleError):
+                shipped.error.receiver = receiver()  # (unpickled on the event loop, which is not the worker's)
+            raise shipped.error
         star, func = pickle.loads(call)
         with Limited(token, limit):
             out = (True, star(func, shipped.value))
@@ -134,9 +139,12 @@ def not_applied(name: str) -> None:
                   stacklevel=4)
 
 
-def worker_pids(dask_scheduler) -> dict[str, int]:
-    """On the scheduler: its workers' addresses and pids."""
-    return {address: ws.pid for address, ws in dask_scheduler.workers.items() if ws.pid}
+def worker_pids(dask_scheduler) -> dict[str, list]:
+    """On the scheduler: its workers' addresses, each with its pid and the shared-memory domain it published
+    (``[pid, domain]``; None where not told)."""
+    told = {msg.get("address"): msg.get("domain") for _, msg in dask_scheduler.get_events(_domain.TOPIC)
+            if isinstance(msg, dict)}
+    return {address: [ws.pid or None, told.get(address)] for address, ws in dask_scheduler.workers.items()}
 
 
 def _outcome(task) -> tuple[bool, object]:
@@ -145,7 +153,10 @@ def _outcome(task) -> tuple[bool, object]:
     the task's future, and so that state, alive for good (and, were they our callers', the job sent again: its
     payload, the pool's result object and every result in it; seen)."""
     try:
-        return task.result().value
+        shipped = task.result()
+        if shipped.error is not None:  # its result could not be opened here (Note [Same-node transport])
+            return False, shipped.error
+        return shipped.value
     except BaseException as exc:  # cancelled, failed to run, or lost with a worker
         if isinstance(exc, (*_CANCELLED, KilledWorker)):
             exc.__traceback__ = None
@@ -199,6 +210,11 @@ class Tasks:
         self.closed = False
         self.pids_at = 0.0
         self.pids: dict[str, int] = {}  # worker address -> pid, as the scheduler last told (Note [Lost workers])
+        # the workers seen of this process's shared-memory domain (address -> pid), and whether one may have died
+        # since the last settle_dead (Note [Counts over Dask] in _transport.py)
+        self.domain = _domain.domain()
+        self.ours: dict[str, int] = {}
+        self.lost = self.ever_lost = False
         self.exits: dict[str | None, dict | None] = {}  # dead worker's address -> its exit, as its nanny told
         self._learn_pids()
         self.plugin = None
@@ -256,9 +272,12 @@ class Tasks:
         with self.lock:
             self.pending.discard(job)  # the last reference: Dask releases the argument and the result
             job.task = job.arg = job.payload = job.sent = None
-            if not self.pending:
+            idle = not self.pending
+            if idle:
                 self.idle.notify_all()
         job.done(job.index, success, value)
+        if idle:
+            self.settle_dead()
 
     def _lost(self, job: Job, exc: BaseException) -> bool:
         """Whether ``exc`` says the task went with a worker (Note [Lost workers]), not that we cancelled it."""
@@ -268,6 +287,8 @@ class Tasks:
 
     def _again(self, job: Job, exc: BaseException) -> BaseException | None:
         """Send a lost task again; None when sent, else the error it finishes with."""
+        with self.lock:
+            self.lost = self.ever_lost = True  # a worker died (Note [Counts over Dask] in _transport.py)
         mp_reductions.copies_lost(job.sent.copies)
         mp_reductions.give_back_counts(job.sent.held)  # the worker that had the argument is gone
         ended = timed_out(self.client, job.token) if job.limit is not None else None
@@ -301,15 +322,38 @@ class Tasks:
             self.exits[address] = told
         return told
 
-    def _learn_pids(self) -> None:
-        """The workers' pids, from the scheduler (a scheduler without mp-dask installed says nothing)."""
+    def _learn_pids(self) -> set[str] | None:
+        """The workers' pids, from the scheduler; the addresses of its workers now (None: a scheduler without
+        mp-dask installed says nothing)."""
         self.pids_at = time.monotonic()
         try:
-            pids = self.client.run_on_scheduler(worker_pids)
+            seen = self.client.run_on_scheduler(worker_pids)
         except Exception:
+            return None
+        with self.lock:
+            for address, (pid, domain) in seen.items():
+                if type(pid) is int:
+                    self.pids[address] = pid
+                    if self.domain is not None and domain == self.domain:
+                        self.ours[address] = pid
+        return set(seen)
+
+    def settle_dead(self) -> None:
+        """Say ``done_with`` for the workers of this process's domain that are gone since they were seen: this pool
+        reads nothing more from them, and the counts they told and it never took go back (Note [Counts over Dask]
+        in _transport.py). Run when no task is pending after a loss, and at close."""
+        with self.lock:
+            if not self.lost:
+                return
+            self.lost = False
+        now = self._learn_pids()
+        if now is None:
             return
         with self.lock:
-            self.pids.update(pids)
+            gone = [address for address in self.ours if address not in now]
+            dead = [self.ours.pop(address) for address in gone]
+        if dead:
+            shm_manager.done_with(dead)
 
     def _lost_worker(self, job: Job, exc: BaseException) -> tuple[str | None, int | None]:
         """The address and pid of the worker whose removal lost ``job`` (the scheduler's event log)."""
@@ -352,6 +396,9 @@ class Tasks:
         bound = _script.sent(self.namespace)
         if self.client.status != "running":
             return
+        with self.lock:
+            self.lost = self.ever_lost  # (a worker killed but not yet removed at the last settle)
+        self.settle_dead()
         if plugin is not None:
             self.client.unregister_worker_plugin(plugin)  # its teardown drops the namespace
         elif bound:

@@ -26,6 +26,7 @@ from ._arrays import empty_shared, message_copies, share_memory, zeros_shared
 from ._chunks import executor_map
 from ._connection import Connection, Pipe
 from ._deaths import RSS_INTERVAL, OomCounter, explain, resident
+from ._message import counts_kept, give_back_counts, keep_counts, tell_counts
 from ._pool import (
     GRACE,
     ApplyResult,
@@ -46,14 +47,7 @@ from ._pool import (
 from ._progress import isatty, progress_bar, track_progress
 from ._queues import JoinableQueue, Queue, SimpleQueue
 from ._recycle import copies_lost
-from ._reductions import (
-    counts_kept,
-    give_back_counts,
-    init_reductions,
-    keep_counts,
-    rebuild_ndarray,
-    reduce_ndarray,
-)
+from ._reductions import init_reductions, rebuild_ndarray, reduce_ndarray
 from ._shared import is_shared
 from ._stats import SharingStoppedWarning, Stats, count, stats
 from ._stats import read as read_stats
@@ -119,6 +113,7 @@ __all__ = [
     "set_sharing_strategy",
     "share_memory",
     "shared_allocation",
+    "tell_counts",
     "track_progress",
     "stats",
     "zeros_shared",

@@ -8,26 +8,6 @@ ones to numpy's default handler. An array whose data lies in a segment can
 travel as a handle, with no copy, so a Pool worker's fresh result is never
 copied into a message segment.
 
-Note [shared allocation]: the handler's segments are the recycling pool's
-(_recycle Note [recycling]) and obey its one invariant: a segment is reused
-only when its views word reads zero::
-
-    numpy allocates n >= THRESHOLD  ->  _take: lend(n) a free pooled segment (zeroed for calloc) or a new one;
-                                        memoryview(seg) kept in _shared.owned: this process's view (word += 1)
-    sent, received, viewed           ->  counted in the same word, as for any shared array
-    numpy frees the data             ->  _give: view released (word -= 1), segment given back to the pool,
-                                        taken again only once the word reads zero (no message, no view left)
-
-So numpy's free and the recycling word compose as one invariant: numpy's free
-is this process's last view going, nothing more; a receiver's view or a
-message in flight keeps the segment out of reuse exactly as for a copy's
-segment. numpy's free may come in any thread, and from a garbage collection
-run while this thread holds the pool's lock: ``_give`` takes no lock
-(``_recycle.give_back`` queues the segment; the next take or the reaper pools
-it, and the reaper runs while any segment is lent). A free while the
-interpreter shuts down leaves the segment mapped (the C handler holds
-``owned`` for good): the process is ending, and a memfd has no name to leak.
-
 Two kinds of allocation (``_shared.owned`` says which):
 
 - born shared (``shared_allocation()``, ``set_shared_allocation(True)``): the
@@ -40,47 +20,6 @@ Two kinds of allocation (``_shared.owned`` says which):
   does not see it), unless the message *moves* it (Note [moving results]); a
   fork child gets it copy-on-write (Note [private at fork]).
 
-Fork (_shared Note [fork]): a fork child inherits the arrays, ``owned`` and the
-mappings, and the parent counted the child's view of each segment before the
-fork (the views in ``owned`` are buffer exports). The child's free gives that
-count back and drops the segment; only the process that made a segment pools
-it (``_recycle._pool_returned``), so a child never hands its parent's memory to
-a new array.
-
-Note [private at fork]: a fork child must get a born-private array
-copy-on-write, as numpy's own memory: a helper that doubles its copy must not
-double the parent's. Before every fork (an at-fork hook, which runs before
-_shared's: it was registered after it), each live born-private allocation is
-*privatized*: its mapping is replaced, at the same address, by private
-anonymous memory holding a copy (``Mapping.privatize``: one memcpy and an
-mremap), the file's views word is given back, the segment leaves the table and
-its descriptor is closed. From then on it is ordinary process memory, in the
-parent and (copy-on-write) in the child: kind PRIVATIZED, never moved, never
-pooled; numpy's free unmaps it. A write made by another thread of the parent
-between the copy and the mremap is lost (a fork with threads running is unsafe
-in any case). Where the copy finds no memory the allocation stays shared with
-the child, as before this Note.
-
-Note [moving results]: a born-private array goes as a handle with no copy only
-when it is moved: the sender holds no other reference to it, so nothing in
-the sender can write it or read it afterwards (results are snapshots, and the
-caller's writes never reach the worker). A Pool worker asks ``moves(result)``
-before pickling a task's result: it walks the result (lists, tuples and
-dicts, exactly those types, and each array's chain of bases; at most
-``WALK_MAX`` references, a container's items counted as it is reached, so a
-list of a million floats costs one ``len``: walking it item by item, with a
-born-private array alive elsewhere in the worker, cost 150 ms a result and
-made a Pool.map of such results 1.9x the stdlib's) counting how many references each object gets from
-within the walk, and compares that with its reference count, calibrated on a
-probe object held the same way (so no interpreter's own counting is assumed).
-An object referenced from elsewhere (a global, a cache, a view kept, a
-container the worker keeps), and everything reachable from it, is held
-elsewhere; an array moves when it, every array on its chain of bases and
-every container above it are not, and its owner is a born-private allocation.
-``Outgoing.moves`` carries the ids to ``reduce_ndarray``. After the send the
-worker drops the result; numpy's free gives the segment back to the pool,
-reused only once the receiver's view is gone (Note [shared allocation]).
-
 Where it is off: under the ``file_system`` strategy (``_take`` declines and
 numpy allocates as usual): a handler segment is an anonymous memfd, which
 only arraymp's own channels carry, whereas ``file_system`` is the strategy for
@@ -90,6 +29,61 @@ round trip on every numpy allocation and could outlive its array in another
 group. Also off while shared memory is full or out of descriptors (numpy's
 memory instead: never an allocation that fails where numpy's would not), and
 for allocations made by the policy itself.
+
+Note [shared allocation]
+~~~~~~~~~~~~~~~~~~~~~~~~
+Invariant: a handler segment is a recycling-pool segment (_recycle Note [recycling]): reused only once its views word
+reads zero, and pooled only by the process that made it. numpy's free is this process's last view going, so a
+receiver's view or a message in flight keeps the segment out of reuse as for a copy's::
+
+    numpy allocates n >= THRESHOLD  ->  _take: lend(n) a free pooled segment (zeroed for calloc) or a new one;
+                                        memoryview(seg) kept in _shared.owned: this process's view (word += 1)
+    sent, received, viewed           ->  counted in the same word, as for any shared array
+    numpy frees the data             ->  _give: view released (word -= 1), segment given back to the pool,
+                                        taken again only once the word reads zero (no message, no view left)
+
+numpy's free may come in any thread, even from a garbage collection under the pool's lock: ``_give`` takes no lock
+(``_recycle.give_back`` queues the segment; the next take or the reaper, which runs while any segment is lent, pools
+it). A free at interpreter shutdown leaves the segment mapped (the C handler holds ``owned`` for good): at exit, a
+memfd has no name to leak.
+
+Fork (_shared Note [fork]): a child inherits the arrays, ``owned`` and the mappings, the parent having counted the
+child's views before the fork (the views in ``owned`` are buffer exports). The child's free gives that count back and
+drops the segment, never pools it (``_recycle._pool_returned``): a child never hands its parent's memory to a new
+array.
+
+Note [private at fork]
+~~~~~~~~~~~~~~~~~~~~~~
+Invariant: a fork child gets every live born-private array copy-on-write, as numpy's own memory: a helper that
+doubles its copy does not double the parent's.
+
+How: before every fork (an at-fork hook, which runs before _shared's: it was registered after it), each live
+born-private allocation is *privatized*: its mapping is replaced, at the same address, by private anonymous memory
+holding a copy (``Mapping.privatize``: one memcpy and an mremap), the file's views word is given back, the segment
+leaves the table and its descriptor is closed. From then on it is ordinary process memory, in the parent and
+(copy-on-write) in the child: kind PRIVATIZED, never moved, never pooled; numpy's free unmaps it.
+
+Not covered: a write made by another thread of the parent between the copy and the mremap is lost (a fork with
+threads running is unsafe in any case). Where the copy finds no memory the allocation stays shared with the child.
+
+Note [moving results]
+~~~~~~~~~~~~~~~~~~~~~
+Invariant: a born-private array goes as a handle with no copy only when it is moved: the sender holds no other
+reference to it, so nothing in the sender can write it or read it afterwards (results are snapshots, and the caller's
+writes never reach the worker).
+
+How: a Pool worker asks ``moves(result)`` before pickling a task's result. It walks the result (lists, tuples and
+dicts, exactly those types, and each array's chain of bases) counting how many references each object gets from
+within the walk, and compares that with its reference count, calibrated on a probe object held the same way (so no
+interpreter's own counting is assumed). An object referenced from elsewhere (a global, a cache, a view kept, a
+container the worker keeps), and everything reachable from it, is held elsewhere; an array moves when it, every array
+on its chain of bases and every container above it are not, and its owner is a born-private allocation.
+``Outgoing.moves`` carries the ids to ``reduce_ndarray``. After the send the worker drops the result; numpy's free
+gives the segment back to the pool, reused only once the receiver's view is gone (Note [shared allocation]).
+
+The walk follows at most ``WALK_MAX`` references, a container's items counted as it is reached, so a list of a
+million floats costs one ``len``: walking it item by item, with a born-private array alive elsewhere in the worker,
+cost 150 ms a result and made a Pool.map of such results 1.9x the stdlib's.
 """
 
 from __future__ import annotations

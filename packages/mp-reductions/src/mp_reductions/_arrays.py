@@ -192,11 +192,13 @@ def _f_strides(shape, itemsize):
     return tuple(strides)
 
 
-# Note [copies keep their order]: a copy of an unshared array (into a message's segment, a shared copy, a transport's
-# copy, share_memory's) has the memory order pickle gives the array, so the receiver sees the stdlib's layout:
-# Fortran order where the array is Fortran-contiguous and not C-contiguous (numpy's reduction tells exactly those
-# apart), C order for every other (a non-contiguous view arrives C-contiguous, as from pickle). ``ravel('K')``,
-# ``tobytes('A')`` and a buffer handed to Fortran code then see the sender's data in the sender's order.
+# Note [copies keep their order]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Invariant: a copy of an unshared array (into a message's segment, a shared copy, a transport's copy,
+# share_memory's) has the memory order pickle gives the array: Fortran order where the array is Fortran-contiguous
+# and not C-contiguous (numpy's reduction tells exactly those apart), C order for every other (a non-contiguous view
+# arrives C-contiguous, as from pickle). So the receiver sees the stdlib's layout: ``ravel('K')``, ``tobytes('A')``
+# and a buffer handed to Fortran code see the sender's data in the sender's order.
 def copy_order(arr: np.ndarray) -> Literal["C", "F"]:
     """The order of ``arr``'s copy (Note [copies keep their order])."""
     return "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C"

@@ -21,34 +21,41 @@ from multiprocessing.reduction import ForkingPickler
 import numpy as np
 import shm_core
 
-from . import _recycle, _shared, _stats
+from . import _attach, _recycle, _shared, _stats
 from ._arrays import copy_order
-from ._reductions import Outgoing, _received, reduce_ndarray
+from ._message import Outgoing, _received
+from ._reductions import reduce_ndarray
 from ._strategy import get_inline_threshold
 
-# Note [bare arrays]: a message that is one array goes bare when reduce_ndarray would send it as the only
-# thing in its pickle, and only while reduce_ndarray is the reducer registered for ndarray (one registered
-# in its place is honoured): an ndarray itself (no subclass) of a dtype its string names exactly (no Python
-# objects, fields, subarray or metadata), and either
-#   - inline (b"A", a plain message): no bytes, or under the inline threshold and in no segment;
-#   - a handle (b"B", with one descriptor): in a memfd segment (an arena block too), counted in flight as
-#     Outgoing.fd_ref / block_ref count it, and given back by the receiver as rebuild_ndarray gives it back.
-# Everything else (a copy into a new segment, a named segment) is pickled. The receiver rebuilds what the
-# pickled form would rebuild; a pickle starts with b"\x80", never b"A" or b"B", so ``_channel.loads`` tells
-# them apart. Every field comes from another process: one that names no array is a SegmentError, before
-# anything is made (shm_core.array_from checks the header: a dtype with no Python objects, fields or subarray,
-# dimensions that fit an array, its bytes exactly the array's or its view inside the segment).
+# Note [bare arrays]
+# ~~~~~~~~~~~~~~~~~~
+# Invariant: a message that is one array goes bare exactly when reduce_ndarray is the reducer registered for ndarray
+# (one registered in its place is honoured) and would send the array as the only thing in its pickle, and the
+# receiver rebuilds what the pickled form would rebuild. That is an ndarray itself (no subclass) of a dtype its
+# string names exactly (no Python objects, fields, subarray or metadata), and either
 #
-# How a bare handle meets the other mechanisms: it is a message with one descriptor, so the receive's peek
-# (shm_core Note [descriptor headroom]) and the descriptor LRU (_shared Note [descriptors]: attach_fd) treat
-# it as any; its in-flight count is _recycle's REFS word, taken by Outgoing.fd_ref and given back by the
-# receiver once its view exists (a view made here counts as this process's, through the segment's
-# memoryview, the array's base), and an arena block's count likewise (_shared Note [arenas]); arrays the
-# shared allocator made (_alloc) are found by segment_of and go the same way. A message lost unreceived keeps
-# its counts, as a pickled handle's. The caches here hold dtypes only (a fork child's are as good as its
+# - inline (b"A", a plain message): no bytes, or under the inline threshold and in no segment;
+# - a handle (b"B", one descriptor): in a memfd segment (an arena block too), counted in flight and given back as a
+#   pickled handle is (Note [bare handles]).
+#
+# Everything else (a copy into a new segment, a named segment) is pickled; a pickle starts with b"\x80", so
+# ``_channel.loads`` tells them apart. Every field comes from another process: one that names no array is a
+# SegmentError before anything is made (shm_core.array_from checks the header: a dtype with no Python objects, fields
+# or subarray, dimensions that fit an array, its bytes exactly the array's or its view inside the segment).
+#
+# Note [bare handles]
+# ~~~~~~~~~~~~~~~~~~~
+# Invariant: a bare handle is counted as a pickled handle to the same memory is: its in-flight count is _recycle's
+# REFS word (an arena block's likewise: _shared Note [arenas]), taken by Outgoing.fd_ref (block_ref) and given back
+# by the receiver once its view exists (a view made here counts as this process's, through the segment's memoryview,
+# the array's base); a message lost unreceived keeps its counts.
+#
+# A bare handle is a message with one descriptor: the receive's peek (shm_core Note [descriptor headroom]) and the
+# descriptor LRU (_shared Note [descriptors]: attach_fd) treat it as any. The shared allocator's arrays (_alloc) are
+# found by segment_of and go the same way. The caches here hold dtypes only (a fork child's are as good as its
 # parent's).
 _HANDLE = struct.Struct("<cqqq")
-BARE_MAX = 64 * 1024 - 1024  # _channel.INLINE less the largest header (255 dtype bytes, 64 dimensions)
+BARE_MAX = 64 * 1024 - 1024  # _pickling.INLINE less the largest header (255 dtype bytes, 64 dimensions)
 READONLY, FORTRAN, STRIDES = 1, 2, 4
 BARE_KINDS = b"AB"  # a bare message's first byte: its bytes, its handle
 _A, _B = BARE_KINDS
@@ -109,7 +116,7 @@ class _Handle:
     buffers = ()  # never out-of-band ones
 
     def __init__(self, seg: shm_core.Segment, block: int | None):
-        self.fds = [_shared.fd_for_sending(seg, dup=True)]  # (raises when it cannot be re-opened: nothing taken)
+        self.fds = [_attach.fd_for_sending(seg, dup=True)]  # (raises when it cannot be re-opened: nothing taken)
         self.keep, self.block = [seg], block
         seg.fetch_add(_recycle.REFS, 1)
         if block is not None:
@@ -184,7 +191,7 @@ def _handle(data, fds: list[int]) -> np.ndarray:
     if size < 0:
         os.close(fd)
         raise ValueError(f"size {size}")
-    seg = _received(_shared.attach_fd(fd, size, owned=True))
+    seg = _received(_attach.attach_fd(fd, size, owned=True))
     if block < 0:
         if _shared.is_arena(seg):
             raise ValueError("a handle names an arena without its block")

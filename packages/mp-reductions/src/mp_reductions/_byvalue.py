@@ -2,21 +2,21 @@
 
 Note [by value]
 ~~~~~~~~~~~~~~~
-Invariant: a function or class that pickle would send by a name the receiving process cannot import goes by
-value, and every other goes by name, as the stdlib sends it. Which cannot: a lambda or a function defined inside
-another (its ``__qualname__`` holds ``<``), and a function or class of ``__main__`` not defined in the main
-module's file: one defined at an interactive prompt, by ``python -c``, in a script read from stdin, or in a
-Jupyter cell (a spawn or forkserver worker imports the main module again from its file, where it is not; a fork
-worker has only what existed when it was forked). Our channels' pickler looks at every function and class it
-meets (``reducer_override``: pickle's C implementation sends those by name before any table's reducer sees them),
-so the rule holds for a Pool's or an executor's function, their arguments and results (an instance of a class
-from a notebook cell: pickle reaches its class through the instance's reduction), Queue and Pipe messages; and
-for the target of a spawn or forkserver Process, which the stdlib's ForkingPickler pickles (``reduce_process``,
-in its table by ``init_reductions``). By value means cloudpickle's bytes, made once per object (a weak table)
-and loaded once per process per bytes (``_loaded``): a map of 10,000 tasks pays one cloudpickle of its function,
-and its worker one load; what a process got by value goes back by value (cloudpickle may rebuild a local
-class under a plain name), and a class sent back and forth stays one class (cloudpickle tracks it), so
-``isinstance`` holds for what comes back.
+Invariant: a function or class that pickle would send by a name the receiving process cannot import goes by value,
+and every other goes by name, as the stdlib sends it. Which cannot: a lambda or a function defined inside another
+(its ``__qualname__`` holds ``<``), and a function or class of ``__main__`` not defined in the main module's file:
+one defined at an interactive prompt, by ``python -c``, in a script read from stdin, or in a Jupyter cell (a spawn or
+forkserver worker imports the main module again from its file, where it is not; a fork worker has only what existed
+at the fork).
+
+How: our channels' pickler sees every function and class (``reducer_override``: pickle's C implementation sends those
+by name before any table's reducer sees them), so the rule covers a Pool's or executor's function, arguments and
+results (an instance of a class from a notebook cell: pickle reaches its class through the instance's reduction),
+Queue and Pipe messages, and the target of a spawn or forkserver Process (``reduce_process``, in the stdlib
+ForkingPickler's table). By value is cloudpickle's bytes, made once per object (a weak table) and loaded once per
+process per bytes (``_loaded``): a map of 10,000 tasks pays one cloudpickle of its function, and its worker one load.
+What a process got by value goes back by value (cloudpickle may rebuild a local class under a plain name), and a
+class sent back and forth stays one class, so ``isinstance`` holds for what comes back.
 """
 
 from __future__ import annotations

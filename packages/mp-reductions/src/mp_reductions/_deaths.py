@@ -2,29 +2,36 @@
 cgroup's counter), and how much memory it held when last measured (new: the stdlib's pool says nothing; loky's
 message guesses).
 
-Note [deaths explained]: three facts, each read where it can be read and never guessed:
+Note [deaths explained]
+~~~~~~~~~~~~~~~~~~~~~~~
+Invariant: a worker's death is told by three facts, each read where it can be read and never guessed (one that cannot
+be read is left out):
 
 - the exit: ``multiprocessing``'s exit code, minus the signal's number for a signal (named: ``SIGKILL``);
-- the OOM killer: the kernel counts each process it kills for want of memory in the victim's memory cgroup
-  (cgroup v2 ``memory.events`` ``oom_kill``, hierarchical; cgroup v1 ``memory.oom_control`` ``oom_kill``, that
-  cgroup's own) *before* it sends the SIGKILL. ``OomCounter`` reads the counter of the worker's cgroup (found from
-  /proc/PID/cgroup and the mounts in /proc/self/mountinfo; the root of a v2 hierarchy has no ``memory.events``:
-  its counter is the machine's, /proc/vmstat's): the pool's own as a rule, another where a fork server started
-  before its parent moved to another cgroup starts the workers in its own. A worker that died of SIGKILL was
-  killed by the OOM killer when that counter went above both its value when the worker started and the last
-  count given to an earlier death (``OomCounter.claim``): each count explains one death, so a second SIGKILL
-  (``kill -9``) after an OOM kill is not blamed on it. (An OOM kill of another process of the same cgroup, not
-  the pool's, while a worker runs would be: the counter does not say whom it counted.) When no counter can be
-  read, nothing is said about the OOM killer; when one can and it did not rise, the SIGKILL came from elsewhere,
-  and the message says so;
-- the resident size: the parent samples each live worker's /proc/PID/status (``VmRSS``, ``VmHWM``: the peak)
-  every ``RSS_INTERVAL`` seconds (``Sampler``); a dead worker's /proc entry has no memory left to read, so the
-  message gives the last sample and its age (a task that allocates fast is killed between samples: the peak
-  it reached may be higher than told).
+- the OOM killer: blamed for a SIGKILL only when its memory cgroup's OOM-kill counter says so (Note [OOM counts]). No
+  counter readable: nothing is said about the OOM killer; one that did not rise: the message says the SIGKILL came
+  from elsewhere;
+- the resident size: the last sample of the worker's /proc/PID/status (``VmRSS``, ``VmHWM``: the peak), taken every
+  ``RSS_INTERVAL`` seconds (``Sampler``), and its age: a dead worker's /proc entry has no memory left to read, and a
+  task that allocates fast is killed between samples (its peak may be higher than told).
 
-Composition with worker replacement: the samples are kept per worker (by pid), dropped when its death is
-recorded; the OOM baseline is taken when a worker starts, so its replacement starts from the count its
-predecessor's death left.
+With worker replacement: the samples are kept per worker (by pid), dropped when its death is recorded.
+
+Note [OOM counts]
+~~~~~~~~~~~~~~~~~
+Invariant: a worker's SIGKILL is blamed on the OOM killer only when the OOM-kill counter of its memory cgroup went
+above both its value when the worker started and the last count given to an earlier death (``OomCounter.claim``):
+each count explains one death, so a ``kill -9`` after an OOM kill is not blamed on it, and a replacement worker
+starts from the count its predecessor's death left.
+
+Why: the kernel counts each process it kills for want of memory in the victim's memory cgroup *before* it sends the
+SIGKILL (cgroup v2 ``memory.events`` ``oom_kill``, hierarchical; v1 ``memory.oom_control`` ``oom_kill``, that
+cgroup's own). ``OomCounter`` finds the worker's cgroup from /proc/PID/cgroup and /proc/self/mountinfo (the root of a
+v2 hierarchy has no ``memory.events``: its counter is /proc/vmstat's): the pool's own as a rule, another where a fork
+server started before its parent moved to another cgroup starts the workers in its own.
+
+Not covered: an OOM kill of another process of the same cgroup, not the pool's, while a worker runs is blamed for
+that worker's SIGKILL (the counter does not say whom it counted).
 """
 
 from __future__ import annotations
@@ -102,7 +109,7 @@ def explain(exitcode: int | None, oom: bool | None, rss: tuple | None) -> tuple[
 
 
 class OomCounter:
-    """The OOM-kill counter of this process's memory cgroup (Note [deaths explained]); ``read()`` is None where
+    """The OOM-kill counter of this process's memory cgroup (Note [OOM counts]); ``read()`` is None where
     none can be read."""
 
     def __init__(self, path: str | None = None, key: str = "oom_kill"):

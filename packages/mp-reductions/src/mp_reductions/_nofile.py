@@ -3,26 +3,32 @@ for nothing else.
 
 Note [open-files limit]
 ~~~~~~~~~~~~~~~~~~~~~~~
-Every program this process execs starts under the soft limit the process had before it raised its own, however
-many descriptors it holds (a child that sizes an ``fd_set`` by its limit must not abort), but for those listed
-last. It is raised to the hard one, as Go's runtime does, because the descriptor LRU (_shared Note
-[descriptors]) keeps a quarter of it and a closed descriptor cannot be re-opened without privileges: only when
-the LRU would close a live one or a receive would refuse a message (``raise_for_budget``), never at import, never
-a limit the user set (under ``FLOOR``, or changed since).
+Invariant: the soft limit is raised (to the hard one, at most the kernel's fs.nr_open) only when the descriptor LRU
+would close a live descriptor or a receive would refuse a message (``raise_for_budget``), never at import, never
+where the user set it (under ``FLOOR``, or changed since), and for this process alone: what it execs gets the old
+limit (Note [exec under the old limit]).
 
-Open descriptors stay valid under a lower limit, so the exec alone gets the old one: ``os.execv``/``os.execve``
-(so ``os.exec*``, ``os.spawn*``, fork then exec) lower it in the process that execs; ``os.system``'s shell lowers
-its own (``ulimit -S -n``); ``subprocess``, ``os.posix_spawn*`` and multiprocessing's spawn and forkserver
-launches fork in C, so they run under the old limit, lowered and raised again by C calls chained with no Python
-between them, the GIL held: subprocess then forks instead of vforking (which releases the GIL until the child
-execs) or posix_spawning (its file actions name its new pipes, past the old limit). A thread inside a system
-call meanwhile may be refused a descriptor; our receives then try again. From Python 3.14 subprocess has no
-switch for vfork (gh-121381 removed ``_USE_VFORK``): it vforks, so other threads run until the child execs, and
-one of theirs that opens a descriptor past the old limit then may be refused it (our receives try again).
+Why: the LRU (_shared Note [descriptors]) keeps a quarter of the limit, and a closed descriptor cannot be re-opened
+without privileges; so the limit goes up to the hard one, as Go's runtime raises it.
 
-Not covered (the raised limit is kept): ``os.posix_spawn`` with a file action naming a descriptor past the old
-limit (glibc refuses it under that limit), a call through a reference to these functions taken before the limit was
-raised (``from os import execv``), what C code starts itself (ctypes, extensions), a fork child that does not exec.
+Note [exec under the old limit]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Invariant: every program this process execs starts under the soft limit the process had before it raised its own,
+however many descriptors it holds (a child that sizes an ``fd_set`` by its limit must not abort), but for the cases
+listed last.
+
+How: open descriptors stay valid under a lower limit, so the exec alone gets the old one. ``os.execv``/``os.execve``
+(so ``os.exec*``, ``os.spawn*``, fork then exec) lower it in the process that execs; ``os.system``'s shell lowers its
+own (``ulimit -S -n``); ``subprocess``, ``os.posix_spawn*`` and multiprocessing's spawn and forkserver launches fork
+in C, under the old limit, lowered and raised again by C calls chained with no Python between them, the GIL held:
+subprocess then forks instead of vforking (which releases the GIL until the child execs) or posix_spawning (its file
+actions name its new pipes, past the old limit). A thread inside a system call meanwhile, or from Python 3.14 (its
+subprocess always vforks: gh-121381 removed ``_USE_VFORK``) any thread until the child execs, may be refused a
+descriptor past the old limit; our receives then try again.
+
+Not covered (the raised limit is kept): ``os.posix_spawn`` with a file action naming a descriptor past the old limit
+(glibc refuses it under that limit), a call through a reference to these functions taken before the limit was raised
+(``from os import execv``), what C code starts itself (ctypes, extensions), a fork child that does not exec.
 """
 
 from __future__ import annotations
@@ -129,7 +135,7 @@ def _shell_under_old_limit(system):
 
 def _spawn_under_old_limit(spawn):
     """``os.posix_spawn*``: glibc refuses a file action naming a descriptor at or past the soft limit (EBADF), so
-    such a call keeps the raised one (Note [open-files limit])."""
+    such a call keeps the raised one (Note [exec under the old limit])."""
 
     def fits(old, kwargs):
         try:
@@ -154,7 +160,7 @@ EXEC_CALLS = [(os, "execv", _under_old_limit), (os, "execve", _under_old_limit),
 
 def _wrap_exec() -> None:
     # subprocess's file actions for posix_spawn name the pipes it just made, past the old limit (EBADF); and its vfork
-    # lets every thread run while the child execs (the GIL released, Note [open-files limit]): fork, holding it
+    # lets every thread run while the child execs (the GIL released, Note [exec under the old limit]): fork, holding it
     subprocess._USE_POSIX_SPAWN = False  # type: ignore[misc]  # (Final in typeshed)
     if hasattr(subprocess, "_USE_VFORK"):  # (gone in 3.14, gh-121381: subprocess vforks where it can)
         subprocess._USE_VFORK = False  # type: ignore[misc]

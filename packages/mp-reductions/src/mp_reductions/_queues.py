@@ -54,44 +54,43 @@ _COUNT = shm_core.HEADER_SIZE  # items put and not yet got
 _UNFINISHED = _COUNT + 8  # JoinableQueue: items put and not yet task_done()
 _WAITERS = _COUNT + 16  # putters waiting for room
 
-# Note [slots]: _COUNT bounds a Queue(maxsize): a putter takes a slot (CAS
-# below maxsize) before it sends, so every message in the socket or in a
-# feeder's buffer holds one. A getter gives the slot back *before* each receive
-# attempt and takes it again if that attempt dequeued nothing: a getter killed
-# anywhere (SIGKILL right after recvmsg dequeued a message included) never
-# leaves the count too high, so it never blocks putters for good. The price is
-# on the safe side: for the instant of an attempt the count is one low per
-# getter (a put may then go past maxsize by that many; qsize() never shows less
-# than 0), and a getter killed inside an attempt that dequeued nothing leaves it
-# one low for good (one more item fits).
+# Note [slots]
+# ~~~~~~~~~~~~
+# Invariant: every message in a Queue(maxsize)'s socket or in a feeder's buffer holds one slot of _COUNT (the count
+# that bounds it), and no slot outlives its message: a getter killed anywhere (SIGKILL right after recvmsg dequeued a
+# message included) never leaves the count too high, so it never blocks putters for good.
+#
+# How: a putter takes a slot (CAS below maxsize) before it sends. A getter gives the slot back *before* each receive
+# attempt and takes it again if that attempt dequeued nothing. The price is on the safe side: for the instant of an
+# attempt the count is one low per getter (a put may then go past maxsize by that many; qsize() never shows less than
+# 0), and a getter killed inside an attempt that dequeued nothing leaves it one low for good (one more item fits).
 
-# Note [spin]: a getter that finds the queue empty retries a few times (yielding
-# the CPU) before it sleeps in poll(): in a steady stream the next message is
-# usually microseconds away, and a sleep plus wake-up costs tens of them
-# (ARRAYMP_QUEUE_SPIN tries, 50 by default, 0 to turn it off).
+# Note [spin]
+# ~~~~~~~~~~~
+# Rule: a getter that finds the queue empty retries ARRAYMP_QUEUE_SPIN times (50 by default, 0 to turn it off),
+# yielding the CPU, before it sleeps in poll(): in a steady stream the next message is usually microseconds away, and
+# a sleep plus wake-up costs tens of them.
 
 
-# Note [closing]: as the stdlib's, Queue.close() means no more puts from this
-# process, and once what it buffered is sent, this process's descriptors of
-# both sockets are closed (after close(), get() raises ValueError, as the
-# stdlib's does; the stdlib's feeder thread closes both connections too). The
-# other processes' descriptors of the same sockets stay open: the queue lives
-# on for them. As in the stdlib (whose ends close only once a put started its
-# feeder), close() of a queue this process never put on only marks it closed:
-# empty() still answers, and its ends close when it is dropped; once closed,
-# empty() raises the stdlib's OSError.
+# Note [closing]
+# ~~~~~~~~~~~~~~
+# Invariant: as the stdlib's, Queue.close() means no more puts from this process, and once what it buffered is sent,
+# this process's descriptors of both sockets are closed (then get() raises ValueError, as the stdlib's does); the
+# other processes' descriptors of the same sockets stay open: the queue lives on for them.
+#
+# As in the stdlib (whose ends close only once a put started its feeder, which closes both connections), close() of a
+# queue this process never put on only marks it closed: empty() still answers, and its ends close when it is dropped;
+# once closed, empty() raises the stdlib's OSError.
 #
 #   close() ─ no put yet ───────────────────────────────────▶ marked closed; ends closed when dropped
 #          ├─ no feeder thread ─────────────────────────────▶ both ends closed now
 #          └─ feeder: _CLOSE queued after the buffered packets ─▶ it sends them, closes both, exits;
 #                                                                 join_thread() waits for that
 #
-# A queue dropped without close() does the same (__del__, or the feeder told by
-# a Finalize), so no socket is left for the garbage collector to warn about.
-# A get() in progress in another thread sees the reader close as a closed
-# Python socket (number -1: never another descriptor reusing the number) and
-# raises ValueError, dequeuing nothing: a message it had not yet dequeued is
-# left for the queue's other readers.
+# A queue dropped without close() does the same (__del__, or the feeder told by a Finalize), so no socket is left for
+# the garbage collector to warn about. A get() in progress in another thread sees the reader close as a closed Python
+# socket (number -1: never another descriptor reusing the number) and raises ValueError, dequeuing nothing: a message
+# it had not yet dequeued is left for the queue's other readers.
 _CLOSE = object()
 
 

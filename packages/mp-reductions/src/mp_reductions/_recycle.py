@@ -1,12 +1,15 @@
 """Recycling the segments that carry copies of unshared arrays, and the spills of large pickles and of
-protocol-5 buffers (_channel Note [spills]).
+protocol-5 buffers (_pickling Note [spills]).
 
-Note [recycling]: a fresh tmpfs segment costs a page fault per 4 KiB on first
-touch (copying into one runs at ~0.6 GB/s here, into a faulted one at ~9 GB/s),
-so a producer that keeps sending fresh large arrays reuses its message
-segments, and receivers keep recently used mappings (of every segment they
-receive), so a recycled segment arrives already mapped and faulted, and a
-shared one sent again and again is mapped once::
+Note [recycling]
+~~~~~~~~~~~~~~~~
+Invariant: a pooled segment is taken again only when its views word (``REFS``: Note [views word]) reads zero: no
+message naming it in flight and no process holding a view of it.
+
+Why recycle: a fresh tmpfs segment costs a page fault per 4 KiB on first touch (copying into one runs at ~0.6 GB/s
+here, into a faulted one at ~9 GB/s). So a producer that keeps sending fresh large arrays reuses its message
+segments, and receivers keep recently used mappings (of every segment they receive): a recycled segment arrives
+already mapped and faulted, and a shared one sent again and again is mapped once::
 
     producer                                  receiver
     take(n): a pooled segment that is free,   rebuild: view the segment (refs += 1, C),
@@ -14,31 +17,35 @@ shared one sent again and again is mapped once::
     refs += 1; send; give back to pool        last view dies: refs -= 1 (C)
                                               mapping kept in `recent` (idle <= 1 s)
 
-A segment is free when no message naming it is in flight and no process
-holds a view of it. Both are counted in one word, the header's ``views``
-word (``REFS``): the C mapping adds one on a process's first buffer export
-and takes it off on its last, and every message that names a segment adds one
-when it is made and its receiver takes one off once it views the segment (on
-our channels once per segment per message, elsewhere once per array). Not
-only the copy's own message counts: a receiver that sends a view on and drops
-it at once leaves only that message naming the segment. A receiver views
-before it gives the message's count back, a sender counts its message before
-it drops its view, so while anyone can reach the segment the word is above
-zero, and one read of it decides. (Two words, read one after the other, could
-both read zero while a reference moved from a view to a message and on to
-another view: a pipeline stage corrupted arrays that way.) A message that is
-never received, or a holder killed, keeps the word up for good: that segment
-counts as busy for ``BUSY_IDLES * IDLE`` seconds after it was sent at most,
-and leaves the pool ``IDLE`` seconds later.
+How long what is kept stays: Note [idle segments].
 
-A pooled segment is idle once it is free: it is dropped after ``IDLE``
-seconds free and untaken (a reaper thread), however long its receivers held
-it first (a Pool's map sends all its copies at once and they come back
-together, a second or more later: dropping them by the time they were sent
-would make the next map fault in fresh ones). Recent mappings are dropped
-``IDLE`` seconds after their last arrival. Each is bounded in bytes too
-(``keep_bytes``: an eighth of the memory, 2 GiB at most;
-the oldest go first), and both go at once when memory runs out, and at exit.
+Note [views word]
+~~~~~~~~~~~~~~~~~
+Invariant: a segment's ``views`` header word (``REFS``) is above zero while any process can reach the segment, by a
+view or by a message naming it in flight, so one read of it tells whether the segment is free.
+
+How: the C mapping adds one on a process's first buffer export and takes it off on its last, and every message that
+names a segment adds one when it is made and its receiver takes one off once it views the segment (on our channels
+once per segment per message, elsewhere once per array). Not only the copy's own message counts: a receiver that
+sends a view on and drops it at once leaves only that message naming the segment. A receiver views before it gives
+the message's count back, a sender counts its message before it drops its view. Two words, read one after the other,
+could both read zero while a reference moved from a view to a message and on to another view: a pipeline stage
+corrupted arrays that way. A message that is never received, or a holder killed, keeps the word up for good (Note
+[idle segments]: how long such a segment stays pooled).
+
+Note [idle segments]
+~~~~~~~~~~~~~~~~~~~~
+Invariant: a pooled segment leaves the pool once it has been free and untaken for ``IDLE`` seconds, and at most
+``(BUSY_IDLES + 1) * IDLE`` seconds after it was sent, busy or not; a kept mapping goes ``IDLE`` seconds after its
+last arrival; the pool and the kept mappings each hold at most ``keep_bytes()`` (an eighth of the memory, 2 GiB at
+most; the oldest go first), and both go at once when memory runs out, and at exit.
+
+Why: a segment is dropped by the time it has been idle, however long its receivers held it first: a Pool's map sends
+all its copies at once and they come back together, a second or more later, and dropping them by the time they were
+sent would make the next map fault in fresh ones. A message that is never received, or a holder killed, keeps the
+views word up for good: such a segment counts as busy for ``BUSY_IDLES * IDLE`` seconds after it was sent at most
+(``copies_lost``: none, where the receiver is known dead). A reaper thread drops them (it looks every ``IDLE / 4``
+seconds, 0.25 at most).
 """
 
 from __future__ import annotations
@@ -53,9 +60,9 @@ import numpy as np
 import shm_core
 import shm_manager
 
-from . import _shared, _stats
+from . import _attach, _shared, _stats
 
-REFS = shm_core.VIEWS_OFFSET  # messages in flight + processes with views (Note [recycling])
+REFS = shm_core.VIEWS_OFFSET  # messages in flight + processes with views (Note [views word])
 IDLE = float(os.environ.get("ARRAYMP_RECYCLE_IDLE", "1.0"))
 POOL_MAX = 128  # pooled segments per process (a Pool's whole map in flight: its copies come back together)
 KEEP_MAX = 2 << 30  # bytes each of the pool and the kept mappings may hold at most (keep_bytes)
@@ -77,13 +84,13 @@ def keep_bytes() -> int:
 
 
 _keep_bytes: int | None = None
-BUSY_IDLES = 5  # IDLE periods a pooled segment may stay busy (Note [recycling]: a message never received)
+BUSY_IDLES = 5  # IDLE periods a pooled segment may stay busy (Note [idle segments]: a message never received)
 
 
 class _State:
     def __init__(self):
         self.lock = threading.Lock()
-        self.pool: list[list] = []  # [segment, sent at, last seen busy] (Note [recycling])
+        self.pool: list[list] = []  # [segment, sent at, last seen busy] (Note [idle segments])
         self.recent: collections.OrderedDict = collections.OrderedDict()  # key -> (segment, last used)
         self.recent_bytes = 0
         self.reaper: threading.Thread | None = None
@@ -126,7 +133,7 @@ def take(nbytes: int, named: bool = False, zero: bool = False) -> shm_core.Segme
     if seg is not None:
         try:
             if not named:
-                _shared.fd_for_sending(seg)  # its descriptor may have been closed (_shared Note [descriptors])
+                _attach.fd_for_sending(seg)  # its descriptor may have been closed (_shared Note [descriptors])
             if zero:
                 np.frombuffer(seg, np.uint8, nbytes).fill(0)
             _stats.counts[_stats.SEGMENTS_REUSED] += 1
@@ -163,7 +170,7 @@ def take_named(min_bytes: int) -> shm_core.Segment | None:
     """A free pooled named segment of at least ``min_bytes`` (file_system), or None: the caller makes one.
 
     Only a lower bound is known when the segment's name must go into the pickle (see
-    _reductions.CopyMiss)."""
+    _message.CopyMiss)."""
     return _pick(lambda s: bool(s.name) and s.size >= min_bytes)
 
 
@@ -222,7 +229,7 @@ def _over(pool: list) -> bool:
 def copies_lost(segments) -> None:
     """The message that carried these pooled copies went to a process that died holding them (a Dask worker
     killed mid-task): they leave the pool now instead of counting as busy for ``BUSY_IDLES * IDLE`` seconds (Note
-    [recycling]); each goes when its last view here goes."""
+    [idle segments]); each goes when its last view here goes."""
     lost = {id(seg) for seg in segments}
     st = _state
     with st.lock:
@@ -267,7 +274,7 @@ def _reap(st: _State) -> None:
 
 
 def _drop_idle(st: _State) -> bool:
-    """Drop what has been idle longer than IDLE (Note [recycling]); True (and no reaper) once nothing is
+    """Drop what has been idle longer than IDLE (Note [idle segments]); True (and no reaper) once nothing is
     kept or lent. A function of its own: no local of the reaper's loop may keep a dropped segment alive while it
     sleeps."""
     with st.lock:

@@ -6,65 +6,61 @@ segment that arrives a hundred times is mapped once, and a same-process round
 trip gives back views of the very memory that was sent. The table holds weak
 references: a segment goes when its last array goes.
 
-Note [descriptors]: a mapping needs no descriptor, but sending a memfd
-segment does. Every memfd segment of this process, made here or received,
-keeps its descriptor in one LRU (``_Table.fd_lru``) of at most ``fd_budget()``
-entries (a quarter of RLIMIT_NOFILE, or all of it but BUDGET_RESERVE when that
-is more; 16 to BUDGET_MAX). Before the LRU first closes a live segment's
-descriptor, the process raises its soft RLIMIT_NOFILE toward the hard limit, for
-itself alone (_nofile Note [open-files limit]): the budget is what lets a
-process forward the arrays it holds without re-opening them (which a normal
-user may not: see below). Past the budget older ones close theirs, so a
-process that makes or receives 20,000 arrays does not run out of descriptors.
-Sending one whose descriptor was closed re-opens the very same file from
-/proc/self/map_files (checked by inode), or raises with the remedy:
-a shared array is never silently sent as a copy. A descriptor handed out for
-sending may be closed by the LRU at the next segment made or received, so our
-channels send a dup of it (``Outgoing.fd_ref``).
+Note [descriptors]
+~~~~~~~~~~~~~~~~~~
+Invariant: a shared memfd array is never silently sent as a copy, and making or receiving any number of them (20,000
+say) does not run a process out of descriptors: each memfd segment of this process, made here or received, keeps its
+descriptor in one LRU (``_Table.fd_lru``) of at most ``fd_budget()`` entries (a quarter of RLIMIT_NOFILE, or all of
+it but BUDGET_RESERVE when that is more; 16 to BUDGET_MAX); past it older ones close theirs, and sending one whose
+descriptor was closed re-opens the very same file from /proc/self/map_files (checked by inode), or raises with the
+remedy.
 
-Note [named segments]: the header refcount counts holders: every process that
-maps the segment, plus one per message in flight. The sender adds the
-in-flight count before sending; a receiver that already maps the segment gives
-it back, one that does not keeps it as its own. The holder that takes the count
-to zero unlinks the name and tells shm_manager. Holders tell shm_manager's
-daemon (hold), and give their count back through it (release): so the count of
-a holder that dies, even by SIGKILL, is given back exactly once; that includes
-a fork child, which holds (and tells the daemon it holds) every named segment
-it inherits. What a crash can still leak (a message lost in flight) is removed
-when the group ends; a Pool's tasks keep their counts in the parent until done
-with, so none is lost with a worker (_reductions Note [kept counts]).
+Why: a mapping needs no descriptor, but sending a memfd segment does, and re-opening it from map_files is not allowed
+to every user. So before the LRU first closes a live segment's descriptor, the process raises its soft RLIMIT_NOFILE
+toward the hard limit, for itself alone (_nofile Note [open-files limit]): the budget is what lets a process forward
+the arrays it holds without re-opening them. A descriptor handed out for sending may be closed by the LRU at the next
+segment made or received, so our channels send a dup of it (``Outgoing.fd_ref``).
 
-Note [arenas]: small ``empty_shared`` arrays (up to ``ARENA_ITEM_MAX``) are
-blocks carved out of per-process arenas, segments of ``ARENA_SIZE`` marked by
-``ARENA_MARK`` in the header's user word, so one mapping, one descriptor and
-one handle's segment serve thousands of arrays. Each block starts with a
-64-byte head: a count word and the block's data size::
+Note [named segments]
+~~~~~~~~~~~~~~~~~~~~~
+Invariant: a named segment's header refcount is the number of processes that map it plus the messages in flight
+naming it; the holder that takes it to zero unlinks the name and tells shm_manager, and the count of a holder that
+dies, even by SIGKILL, is given back exactly once.
+
+How: the sender adds the in-flight count before sending; a receiver that already maps the segment gives it back, one
+that does not keeps it as its own. Holders tell shm_manager's daemon (hold), and give their count back through it
+(release); that includes a fork child, which holds (and tells the daemon it holds) every named segment it inherits.
+
+Not covered: what a crash can still leak (a message lost in flight) is removed when the group ends; a Pool's tasks
+keep their counts in the parent until done with, so none is lost with a worker (_message Note [kept counts]).
+
+Note [arenas]
+~~~~~~~~~~~~~
+Invariant: an arena block is reused only when no process holds a view of it and no message naming it is in flight:
+its count, like the recycling word (``_recycle`` Note [views word]), is above zero while anyone can reach it, and the
+allocating process takes the block back, once its own view is gone, by one compare-and-swap of 0 to 1.
+
+Small ``empty_shared`` arrays (up to ``ARENA_ITEM_MAX``) are blocks carved out of per-process arenas (segments of
+``ARENA_SIZE``, ``ARENA_MARK`` in the header's user word): one mapping and one descriptor serve thousands of arrays.
+Blocks have 64-byte heads::
 
     arena data:  | head(count, size) | data ... | head(count, size) | data ... |  bump -> free
                  ^ block b                     ^ block b'
 
-A block's count is, like the recycling word (``_recycle`` Note [recycling]),
-the number of processes holding a view of the block plus the messages in
-flight naming it. A process views a block through one ``block_base`` array
-(counted once when made, given back when it dies, inherited and counted again
-by a fork child), and every array over the block is a view of that base; a
-sender counts each array handle it sends, its receiver gives that back once
-it views the block. So while anyone can reach a block its count is above
-zero, and the allocating process may take a block back, with one
-compare-and-swap of 0 to 1, once its own view is gone and the count reads
-zero. The allocator refers to its arenas (at most ``MAX_ARENAS``) weakly; an
-arena lives while any of its arrays does, and the recycler keeps it mapped
-for ``_recycle.IDLE`` seconds after each allocation, so a producer that sends
-and drops its arrays one by one goes on carving the same arena (sending does
-not abandon it), and an idle program leaves nothing behind. A block named by
-a message that is never received, or held by a process killed while holding
-it, is not reused; its arena goes when every process has unmapped it.
+A process views a block through one ``block_base`` array (counted once when made, given back when it dies; a fork
+child's: Note [fork]); every array over the block is a view of it. A sender counts each array handle it sends; its
+receiver gives that back once it views the block. Arenas (at most ``MAX_ARENAS``) are held weakly: one lives while
+any of its arrays does, and the recycler keeps it mapped ``_recycle.IDLE`` seconds after each allocation, so a
+producer that sends and drops arrays one by one goes on carving the same arena, and an idle program leaves nothing
+behind.
+
+Not covered: a block named by a message never received, or held by a killed process, is never reused; its arena goes
+when every process has unmapped it.
 """
 
 from __future__ import annotations
 
 import collections
-import mmap
 import os
 import resource
 import threading
@@ -123,37 +119,34 @@ class _Table:
                 old.close_fd()
 
 
-_table = _Table()
+table = _Table()
 # (segment key, block) -> weakref of this process's base array of an arena block (Note [arenas])
 _blocks: dict = {}
 # (segment id, block, size) of blocks whose view in this process is gone: candidates for the allocator's reuse
 dropped_blocks: collections.deque = collections.deque()
 
 
-# Note [fork]: a fork child inherits every mapping, view and array of its parent, and
-# each of them is counted in a shared word: a segment's views word (one per process
-# with live buffer exports, _recycle Note [recycling]), an arena block's count (Note
-# [arenas]) and a named segment's refcount (Note [named segments]). The child will
-# give each back when it drops what it inherited (``del``, a garbage collection), so
-# it must have counted them first, or it would uncount its parent's view and the
-# producer would recycle memory the parent still reads. The child's counts are taken
-# by the parent *before* the fork, while the parent's own views keep every word above
-# zero (counting in the child after the fork would leave a window in which the parent
-# drops its view and the word reads zero)::
+# Note [fork]
+# ~~~~~~~~~~~
+# Invariant: the parent takes a fork child's counts of what it inherits (views words: _recycle Note [views word];
+# arena block counts: Note [arenas]; named refcounts: Note [named segments]) *before* the fork, while its own views
+# keep every word above zero: no word reads zero while the parent or the child can reach the memory.
+#
+# Why: the child gives each back when it drops what it inherited, so it must have counted them first, or it would
+# uncount its parent's view and the producer would recycle memory the parent still reads; counting in the child after
+# the fork would leave a window in which the parent drops its view and the word reads zero::
 #
 #     parent, before fork:  +1 in each word it would hand down   (the child's counts)
 #     child, after fork:    keep them; reconcile with what it holds now (other threads
 #                           may run between the snapshot and the fork)
 #
-# A process gives back what it still holds when it exits (``_release_all``, also in a
-# fork child, which exits without a garbage collection): its views word through
-# ``Segment.disown()``, its block counts, its named counts. One killed with SIGKILL
-# keeps a views word or block count up: that memory is never reused (named counts go
-# back through the daemon: the parent gives the child's to it by pid right after the
-# fork, so they go back even if the child is killed before it runs a line; shm_manager
-# Note [Counts given at fork]). So does a failed fork (the hooks cannot tell), and a
-# subprocess with ``preexec_fn`` (it runs the hooks, then exec drops the views; its
-# named counts go back when it ends).
+# A process gives back what it still holds when it exits (``_release_all``, also in a fork child, which exits without
+# a garbage collection): its views word through ``Segment.disown()``, its block counts, its named counts.
+#
+# Not covered: a process killed by SIGKILL keeps a views word or block count up: that memory is never reused (named
+# counts go back through the daemon: shm_manager Note [Counts given at fork]). So does a failed fork (the hooks
+# cannot tell), and a subprocess with ``preexec_fn`` (it runs the hooks, then exec drops the views; its named counts
+# go back when it ends).
 _fork_counted: tuple = ((), (), ())
 
 
@@ -161,8 +154,8 @@ def _held() -> tuple[set, set, set]:
     """What a fork child would inherit: segments with live views, named segments this process counts, and
     arena blocks it views (as (segment, block))."""
     views, named, blocks = set(), set(), set()
-    with _table.lock:  # another thread may be adding one
-        segments = list(_table.segments.items())
+    with table.lock:  # another thread may be adding one
+        segments = list(table.segments.items())
     for key, seg in segments:
         if seg.exports > 0:
             views.add(seg)
@@ -223,7 +216,7 @@ def _after_fork_in_child():
     # Same segments, fresh lock; the parent's arenas must not be carved twice (_arrays makes the child a fresh
     # allocator, and the blocks dropped here are the parent's to reuse); the counts taken before the fork are this
     # child's (Note [fork]).
-    _table.lock = threading.Lock()
+    table.lock = threading.Lock()
     dropped_blocks.clear()
     counted, _fork_counted = _fork_counted, ((), (), ())
     now = _held()
@@ -248,7 +241,7 @@ def _release_all() -> None:
         base = ref()
         if base is not None:
             segment_of(base)[0].fetch_add(_HDR + block, -1)
-    for key, seg in list(_table.segments.items()):
+    for key, seg in list(table.segments.items()):
         seg.disown()
         if key[0] == "n":
             hook, seg.release_hook = seg.release_hook, None
@@ -285,20 +278,20 @@ def _unlink_named(seg: shm_core.Segment) -> None:
 
 def give_back_named(seg: shm_core.Segment) -> None:
     """Give back one count of the named segment ``seg`` that no daemon holds for this process (a message's
-    in-flight count that its sender kept: _reductions Note [kept counts]); the last one unlinks it."""
+    in-flight count that its sender kept: _message Note [kept counts]); the last one unlinks it."""
     if seg.decref() == 0:
         _unlink_named(seg)
 
 
-def _adopt_named(seg: shm_core.Segment, sender: int | None = None) -> shm_core.Segment:
-    """This process holds one count of ``seg`` (the one ``sender`` told the daemon of, _reductions Note [results
+def adopt_named(seg: shm_core.Segment, sender: int | None = None) -> shm_core.Segment:
+    """This process holds one count of ``seg`` (the one ``sender`` told the daemon of, _message Note [results
     told]); the daemon gives it back if we die."""
     if sender is None:
         shm_manager.hold(seg.name, seg.dir)
     else:
         shm_manager.take_from(sender, seg.name, seg.dir)
     seg.release_hook = _release_named
-    _table.add(("n", seg.name), seg)
+    table.add(("n", seg.name), seg)
     return seg
 
 
@@ -327,21 +320,21 @@ def create_segment(size: int, strategy: str | None = None, name: str | None = No
             shm_manager.unregister(name)
             raise
         seg.release_hook = _release_named
-        with _table.lock:
-            _table.add(("n", seg.name), seg)
+        with table.lock:
+            table.add(("n", seg.name), seg)
         seg.incref()
         _stats.counts[_stats.SEGMENTS_MADE] += 1
         return seg
     seg = shm_core.create_anonymous(size)
     _stats.counts[_stats.SEGMENTS_MADE] += 1
-    with _table.lock:
-        _table.add(fd_key(seg.fd), seg)
-        _table.keep_fd(seg)
+    with table.lock:
+        table.add(fd_key(seg.fd), seg)
+        table.keep_fd(seg)
     return seg
 
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
-util.register_after_fork(_table, lambda table: _ensure_exit_hook(again=True))
+util.register_after_fork(table, lambda table: _ensure_exit_hook(again=True))
 
 
 def aligned(n: int) -> int:
@@ -400,21 +393,23 @@ BORN_SHARED, BORN_PRIVATE, PRIVATIZED = 0, 1, 2
 
 # Note [own arrays]
 # ~~~~~~~~~~~~~~~~~
-# Invariant: an array this process received as a copy (an unshared array its sender copied into a segment for the
-# message, a launch or a transport) or as a moved result (_alloc Note [moving results]) is this process's own, as
-# the stdlib's unpickling would make it: ``segment_of`` does not see it (nor any view of it), so sending it on sends
-# a copy, and a fork child gets it copy-on-write; only memory the program shared on purpose (empty_shared,
-# share_memory, shared_allocation, and what arrives from those) travels as a handle. Why: such an array is a view
-# of a segment no other process writes, but a handle to it would let the next receiver write into it (a Pool
-# result handed to a later task came back changed). How: the receiver's rebuild (``own``) records the buffer
-# export at the root of the array's bases (a memoryview of the segment, made for that array or arena block: numpy
-# collapses chains of array bases, so no marker array could stay between), and ``segment_of`` stops at one it
-# finds recorded; sending it again costs one copy, as the stdlib's pickle does. Before a fork (``_before_fork``,
-# ahead of the counts of Note [fork]) each segment under a live own export is moved into private memory at the
-# same address, as _alloc privatizes born-private allocations (a named one gives its count back first, through the
-# file: this process's views word, given back by the move, keeps the segment from reuse until then), so the child
-# inherits it copy-on-write and counts nothing. Not covered, shared with a fork child: an own array in an arena block
-# (a lowered inline threshold: the arena may hold shared blocks too), and one whose copy found no memory.
+# Invariant: an array this process received as a copy (of an unshared array, for a message, a launch or a transport)
+# or as a moved result (_alloc Note [moving results]) is its own, as from the stdlib's unpickling: ``segment_of``
+# sees neither it nor its views, so sending it on sends a copy, and a fork child gets it copy-on-write. Only memory
+# shared on purpose (empty_shared, share_memory, shared_allocation, and what arrives from those) travels as a handle.
+#
+# Why: such an array is a view of a segment no other process writes, but a handle to it would let the next receiver
+# write into it (a Pool result handed to a later task came back changed).
+#
+# How: the receiver's rebuild (``own``) records the buffer export at the root of the array's bases (a memoryview of
+# the segment made for that array or block: numpy collapses chains of bases, so no marker array could stay between),
+# where ``segment_of`` stops. Before a fork (``_before_fork``, ahead of Note [fork]'s counts) each segment under a
+# live own export moves into private memory at the same address, as _alloc privatizes born-private allocations (a
+# named one gives its count back first, through the file, the views word keeping it from reuse): the child inherits
+# it copy-on-write and counts nothing.
+#
+# Not covered, shared with a fork child: an own array in an arena block (a lowered inline threshold: the arena may
+# hold shared blocks too), one whose copy found no memory.
 _own: dict[int, weakref.ref] = {}  # id -> the root exports of own arrays alive in this process
 
 
@@ -486,119 +481,18 @@ def is_shared(arr: object) -> bool:
     return isinstance(arr, np.ndarray) and segment_of(arr) is not None
 
 
-# ---------------------------------------------------------------------- attaching
-def attach_fd(fd: int, size: int | None, *, owned: bool) -> shm_core.Segment:
-    """The segment behind a received ``fd``, mapped once per process.
-
-    ``owned``: the caller hands ``fd`` over (it is kept or closed here).
-    """
-    key = fd_key(fd)
-    with _table.lock:
-        seg = _table.segments.get(key)
-        if seg is None:
-            try:
-                seg = shm_core.attach_fd(fd, expected_size=size)
-            except BaseException:
-                if owned:
-                    os.close(fd)
-                raise
-            _table.add(key, seg)
-        elif size is not None and seg.size != size:
-            if owned:
-                os.close(fd)
-            raise shm_core.SegmentError(f"handle says {size} bytes but the segment holds {seg.size}")
-        if not owned:
-            return seg
-        if seg.fd < 0:
-            seg.fd = fd
-            _table.keep_fd(seg)
-        else:
-            os.close(fd)
-        if seg.key in _table.fd_lru:
-            _table.fd_lru.move_to_end(seg.key)
-        return seg
-
-
-def attach_named(name: str, dir: str, size: int | None, counted: bool = True,
-                 sender: int | None = None) -> shm_core.Segment:
-    """The named segment ``name``, mapped once per process; takes over one in-flight count (``counted``: from the
-    daemon when ``sender`` told it, _reductions Note [results told]), or takes a count of its own (the sender
-    keeps its count until then: _reductions Note [kept counts])."""
-    with _table.lock:
-        seg = _table.segments.get(("n", name))
-        if seg is not None:
-            if counted:  # this process already holds a count: the in-flight one goes back
-                if sender is not None:  # (the daemon was told of it: it forgets it, or would give it back again)
-                    shm_manager.drop_from(sender, name, dir)
-                seg.decref()
-            return seg
-        try:
-            seg = shm_core.attach(name, dir, expected_size=size)
-        except FileNotFoundError:
-            raise FileNotFoundError(
-                f"shared-memory segment {os.path.join(dir, name)} no longer exists: every count of it was given "
-                "back before this message was received. Either its holders let go of it (keep the sender's array "
-                "alive until received), or a message naming it was received twice (the same pickled bytes "
-                "delivered again, or a forged handle: each takes a count it never owned), or it was removed by "
-                "hand (shm-manager gc)"
-            ) from None
-        if not counted:  # (room for the hold's frame first: a count added with its frame left in our socket
-            shm_manager.flush()  # goes with a process killed then, until the group ends)
-            seg.incref()
-        return _adopt_named(seg, sender if counted else None)
-
-
-def fd_for_sending(seg: shm_core.Segment, *, dup: bool = False) -> int:
-    """This process's descriptor of the memfd segment ``seg``, re-opened if the LRU closed it (Note
-    [descriptors]): valid until the next segment is made or received here, or (``dup``) a new one that the
-    caller closes. Raises OSError when it cannot be re-opened."""
-    with _table.lock:
-        if seg.fd >= 0:
-            if seg.key in _table.fd_lru:
-                _table.fd_lru.move_to_end(seg.key)
-            return os.dup(seg.fd) if dup else seg.fd
-    fd = _reopen(seg)
-    with _table.lock:
-        if seg.fd >= 0:  # another thread re-opened it meanwhile
-            os.close(fd)
-        else:
-            seg.fd = fd
-        _table.keep_fd(seg)
-        return os.dup(seg.fd) if dup else seg.fd
-
-
-def _reopen(seg: shm_core.Segment) -> int:
-    """A new descriptor of the file ``seg`` maps, through /proc/self/map_files (the kernel names a mapping
-    by its page-rounded range)."""
-    start = seg.address
-    end = start + -(-seg.length // mmap.PAGESIZE) * mmap.PAGESIZE
-    try:
-        fd = os.open(f"/proc/self/map_files/{start:x}-{end:x}", os.O_RDWR | os.O_CLOEXEC)
-    except OSError as exc:
-        raise OSError(exc.errno, f"cannot send this shared array: this process keeps {fd_budget()} shared-memory "
-                      "descriptors open (its share of the open-files limit, RLIMIT_NOFILE) and this segment's was "
-                      f"closed; re-opening it from /proc/self/map_files failed ({exc.strerror}; it needs "
-                      "CAP_CHECKPOINT_RESTORE or CAP_SYS_ADMIN). Raise the limit (ulimit -n), keep fewer "
-                      "large shared arrays alive (small ones share arenas; arraymp.share_memory packs many into "
-                      "one segment), or use the 'file_system' sharing strategy, whose segments re-open by name") \
-            from None
-    if fd_key(fd) != seg.key:
-        os.close(fd)
-        raise shm_core.SegmentError("/proc/self/map_files named another file than the segment's; not sending it")
-    return fd
-
-
+# ---------------------------------------------------------------------- leaving the table
 def forget(seg: shm_core.Segment) -> None:
     """``seg`` is no longer shared memory of this process (_alloc: privatized): out of the table, its descriptor
     closed; the mapping goes with the object."""
-    with _table.lock:
-        if _table.segments.get(getattr(seg, "key", None)) is seg:
-            del _table.segments[seg.key]
+    with table.lock:
+        if table.segments.get(getattr(seg, "key", None)) is seg:
+            del table.segments[seg.key]
     release_fd(seg)
 
 
 def release_fd(seg: shm_core.Segment) -> None:
     """Close ``seg``'s descriptor now (the mapping stays); sending it later re-opens it."""
-    with _table.lock:
-        _table.fd_lru.pop(getattr(seg, "key", None), None)
+    with table.lock:
+        table.fd_lru.pop(getattr(seg, "key", None), None)
         seg.close_fd()

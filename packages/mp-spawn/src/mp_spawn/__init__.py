@@ -32,15 +32,9 @@ if not _sys.platform.startswith("linux"):  # pragma: no cover
         "the stdlib multiprocessing module on this platform."
     )
 
+from ._context import ProcessContext, SpawnContext
 from ._errors import ProcessException, ProcessExitedException, ProcessRaisedException
-from ._spawn import (
-    ENV_VAR_FAILED_EXIT_TIMEOUT,
-    ENV_VAR_PARALLEL_START,
-    ProcessContext,
-    SpawnContext,
-    spawn,
-    start_processes,
-)
+from ._spawn import ENV_VAR_FAILED_EXIT_TIMEOUT, ENV_VAR_PARALLEL_START, spawn, start_processes
 
 __all__ = [
     "ENV_VAR_FAILED_EXIT_TIMEOUT",

@@ -31,7 +31,7 @@ process kills everything below it.
 
 What the child starts without us (``subprocess.Popen``, ``os.fork``) has no
 death signal and no watchdog, and PR_SET_PDEATHSIG kills the child before its
-watchdog can look for it.  So each child also leads its own session, and so
+watchdog can look for it.  So each child also leads its own session (Note [a session of its own]), and so
 its own process group (torchrun starts its workers so too), and starts a
 *group reaper* in it: a small process (this module, run as a script) that ends
 the group once the child is gone, however it went::
@@ -51,64 +51,57 @@ the group once the child is gone, however it went::
 
 Note [pid reuse]
 ~~~~~~~~~~~~~~~~
-A pid alone names a process only while it lives.  The supervisor sends its pid
-*and* its start time (field 22 of ``/proc/<pid>/stat``); the child opens the
-pidfd first and then checks the start time, so a pid recycled between the
-supervisor's death and ``pidfd_open`` is recognised as a stranger.  The group
-reaper watches its child the same way.
+Invariant: a process known by its pid is watched or signalled only through a pidfd opened before a check of its start
+time (field 22 of ``/proc/<pid>/stat``), so a recycled pid is recognised as a stranger.
+
+A pid alone names a process only while it lives. The supervisor sends its pid *and* its start time; the child opens
+the pidfd first and then checks the start time, so a pid recycled between the supervisor's death and ``pidfd_open``
+is caught. The group reaper watches its child the same way.
 
 Note [process groups]
 ~~~~~~~~~~~~~~~~~~~~~
-Invariant: the group reaper is a member of its child's process group from
-before ``fn`` runs until it has sent SIGKILL to the group's other members.  A
-process group's id is not handed out again while the group has a member, so
-``killpg(C)`` from the reaper reaches C's group and no one else's, even after C
-is dead and its pid recycled; and a process whose ``/proc`` entry says group C
-is in C's group.  SIGKILL goes to each member by pidfd, after a check of its
-start time and group (Note [pid reuse]): a member that left the group in
-between (``setsid``) is spared.  The reaper ignores SIGINT, SIGTERM and
-SIGHUP, so signals meant for the group (``killpg`` in user code, its own
-SIGTERM) do not take it away first.
+Invariant: the group reaper is a member of its child's process group from before ``fn`` runs until it has sent
+SIGKILL to the group's other members.
 
-Covered: everything the child starts that stays in its process group
-(``subprocess.Popen``, ``os.fork``, ``multiprocessing`` pools and managers,
-shells and their pipelines), at any depth, however the child ends.  Nested
-spawns lead groups of their own, with reapers of their own.
+Why: a process group's id is not handed out again while the group has a member, so ``killpg(C)`` from the reaper
+reaches C's group and no one else's, even after C is dead and its pid recycled; and a process whose ``/proc`` entry
+says group C is in C's group. SIGKILL goes to each member by pidfd, after a check of its start time and group (Note
+[pid reuse]): a member that left the group in between (``setsid``) is spared. The reaper ignores SIGINT, SIGTERM and
+SIGHUP, so signals meant for the group (``killpg`` in user code, its own SIGTERM) do not take it away first.
 
-One rule for what leaves the group (``setsid``, ``setpgid``,
-``start_new_session=True``; daemons do): it is never killed, under every start
-method. The reaper spares it, and so does the watchdog, which kills only the
-members of the child's group below it (under ``forkserver`` the watchdog, not
-PR_SET_PDEATHSIG, ends the child, so a scan of the whole tree would kill a
-daemon that ``fork`` and ``spawn`` leave alive). Nested ``spawn`` children
-lead groups of their own and die by their own watchdogs. A reaper killed by
-someone else kills nothing.
+Covered: everything the child starts that stays in its process group (``subprocess.Popen``, ``os.fork``,
+``multiprocessing`` pools and managers, shells and their pipelines), at any depth, however the child ends.
+
+One rule for what leaves the group (``setsid``, ``setpgid``, ``start_new_session=True``; daemons do): it is never
+killed, under every start method. The reaper spares it, and so does the watchdog, which kills only the members of the
+child's group below it (under ``forkserver`` the watchdog, not PR_SET_PDEATHSIG, ends the child, so a scan of the
+whole tree would kill a daemon that ``fork`` and ``spawn`` leave alive). Nested ``spawn`` children lead groups of
+their own and die by their own watchdogs. A reaper killed by someone else kills nothing.
 
 Note [cleanup daemons]
 ~~~~~~~~~~~~~~~~~~~~~~
-Some processes exist to clean up after the others: multiprocessing's resource
-tracker (started by the first ``SharedMemory`` or semaphore of a fork child,
-in the child's group) unlinks the segments its clients leaked once the last
-holder of its pipe is gone; shm-manager's daemon does the same for named
-segments.  They ignore SIGTERM.  SIGKILL, sent to the whole group while a
-grandchild that inherited the tracker's pipe was still handling SIGTERM, would
-kill the tracker before it sees the end of its pipe, and ``psm_*`` segments
-would stay in /dev/shm.  So the reaper never kills a cleanup daemon, known by
-its command line (``_CLEANUP_DAEMONS``): it SIGKILLs the other members one by
-one and leaves; the daemons see their clients go, clean up and exit on their
-own, as they do outside mp-spawn.  A daemon that still serves someone outside
-the group (a process that left it) goes on serving it.
+Invariant: the group reaper never sends SIGKILL to a cleanup daemon (known by its command line:
+``_CLEANUP_DAEMONS``): it SIGKILLs the other members one by one and leaves, and the daemons see their clients go,
+clean up and exit on their own, as they do outside mp-spawn. A daemon that still serves someone outside the group (a
+process that left it) goes on serving it.
 
-The price of a session of its own: the child has no controlling terminal, so
-what the terminal sends (Ctrl-C, Ctrl-Z, Ctrl-\\, hangup) reaches only the
-supervisor.  ``ProcessContext.join`` relays a KeyboardInterrupt to the
-children's groups as SIGINT, which is what the terminal did when they shared
-the supervisor's group; Ctrl-Z stops the supervisor alone.  ``/dev/tty``
-cannot be opened in a child.  A new session rather than only a new group: as
-the terminal is not the child's controlling terminal, a child that reads from
-it (``open("/dev/stdin")``, a debugger say) or sets its modes is not stopped by
-SIGTTIN or SIGTTOU, as a background job would be.  And a child, a session
-leader, cannot call ``setsid`` or ``setpgid`` itself (EPERM).
+Why: some processes exist to clean up after the others. multiprocessing's resource tracker (started by the first
+``SharedMemory`` or semaphore of a fork child, in the child's group) unlinks the segments its clients leaked once the
+last holder of its pipe is gone; shm-manager's daemon does the same for named segments. They ignore SIGTERM. SIGKILL,
+sent to the whole group while a grandchild that inherited the tracker's pipe was still handling SIGTERM, would kill
+the tracker before it sees the end of its pipe, and ``psm_*`` segments would stay in /dev/shm.
+
+Note [a session of its own]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Invariant: each child leads a session of its own (``os.getsid(pid) == pid``), so it has no controlling terminal: what
+the terminal sends (Ctrl-C, Ctrl-Z, Ctrl-\\, hangup) reaches only the supervisor, and ``ProcessContext.join`` relays
+a KeyboardInterrupt to the children's groups as SIGINT, which is what the terminal did when they shared the
+supervisor's group.
+
+The price: Ctrl-Z stops the supervisor alone; ``/dev/tty`` cannot be opened in a child; and a child, a session
+leader, cannot call ``setsid`` or ``setpgid`` itself (EPERM). Why a new session rather than only a new group: as the
+terminal is not the child's controlling terminal, a child that reads from it (``open("/dev/stdin")``, a debugger say)
+or sets its modes is not stopped by SIGTTIN or SIGTTOU, as a background job would be.
 """
 
 from __future__ import annotations

@@ -13,13 +13,13 @@ torch keep working.  What changed:
 * the extra attributes survive pickling.
 
 Note [error files, not pipes]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A child that fails writes one file, ``<dir>/<index>.error``, in a directory
-only the owner can enter (``mkdtemp``, mode 0700), then exits.  It writes to a
-temporary name and renames, so the parent never reads half a record.  The
-parent reads the file only after the child has exited, then removes it.  A pipe
-or a queue would deadlock on a large traceback (the child blocks on a full pipe
-while the parent waits for the child to exit); a file has no such limit.
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Invariant: a failed child's error reaches its parent whole, whatever its size: the parent reads
+``<dir>/<index>.error`` only after the child has exited, never half a record, then removes it.
+
+A child that fails writes that one file, in a directory only the owner can enter (``mkdtemp``, mode 0700), then
+exits. It writes to a temporary name and renames. A pipe or a queue would deadlock on a large traceback (the child
+blocks on a full pipe while the parent waits for the child to exit); a file has no such limit.
 """
 
 from __future__ import annotations
@@ -191,13 +191,15 @@ def raised_message(index: int, record: dict) -> str:
 
 # Note [OOM kills]
 # ~~~~~~~~~~~~~~~~
-# The kernel counts each process its OOM killer ends in the victim's memory cgroup, before it sends the SIGKILL:
+# Invariant: a child's death is blamed on the OOM killer only when it died of a SIGKILL the supervisor did not send
+# and its memory cgroup's OOM-kill count went above the count read before the children started and above the count
+# given to an earlier such death (each count explains one death); where no counter is readable nothing is said about
+# the OOM killer beyond the usual hint.
+#
+# Why: the kernel counts each process its OOM killer ends in the victim's memory cgroup, before it sends the SIGKILL:
 # cgroup v2 ``memory.events`` (hierarchical), cgroup v1 ``memory.oom_control`` (that cgroup's own), both
-# ``oom_kill N``. The supervisor reads the count of its own cgroup before it starts the children; a child that died
-# of SIGKILL (not sent by the supervisor) was the OOM killer's when the count went above that and above the count
-# given to an earlier such death (each count explains one death). Where no counter is readable nothing is said
-# about the OOM killer beyond the usual hint. (mp_reductions' pool does the same in its own _deaths module: the two
-# packages are installed alone.)
+# ``oom_kill N``. The supervisor reads the count of its own cgroup. (mp_reductions' pool does the same in its own
+# _deaths module: the two packages are installed alone.)
 
 
 def oom_kills() -> int | None:

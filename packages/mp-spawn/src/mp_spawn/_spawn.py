@@ -1,7 +1,9 @@
-"""Start ``nprocs`` processes running ``fn(i, *args)`` and supervise them.
+"""Start ``nprocs`` processes running ``fn(i, *args)``: ``spawn`` and ``start_processes``.
 
 Adapted from ``torch/multiprocessing/spawn.py`` (same API, same messages) on
-top of the stdlib ``multiprocessing`` contexts.  What changed:
+top of the stdlib ``multiprocessing`` contexts.  This module starts the
+children; what each child runs is ``_child``, the supervisor that joins them
+``_context``.  What changed:
 
 * children die with the supervisor (``_deathsig``: PR_SET_PDEATHSIG=SIGKILL
   plus a watchdog), nested levels included; each child leads a session of its
@@ -13,18 +15,19 @@ top of the stdlib ``multiprocessing`` contexts.  What changed:
   fatal signal's Python stack through ``faulthandler``;
 * ``join`` reports every failure it finds, not only the first;
 * ``join`` waits on each child's exit (a pidfd), not on its sentinel pipe,
-  which a double-forked daemon inherits (Note [waiting for exits]);
+  which a double-forked daemon inherits (Note [waiting for exits] in
+  ``_context``);
 * a script that starts processes without ``if __name__ == "__main__":`` gets
-  an error that says so (Note [unguarded main]).
+  an error that says so (Note [unguarded main] in ``_child``).
 
 ::
 
     parent                                   child i (any start method)
     ------                                   --------------------------
     mkdtemp() -> D (0700)
-    start_processes --Process.start()-->     _wrap: bind_to_parent (deathsig)
+    start_processes --Process.start()-->     _child._wrap: bind_to_parent (deathsig)
                                                open D/i.fault  (= "started")
-    ProcessContext.join                        fn(i, *args)
+    _context.ProcessContext.join               fn(i, *args)
       wait(pidfds)                             on BaseException: write D/i.error,
       on failure: grace, SIGTERM, SIGKILL        stop own children, exit 1
       read + remove D/i.error, D/i.fault
@@ -34,90 +37,43 @@ top of the stdlib ``multiprocessing`` contexts.  What changed:
 
 Note [starter threads]
 ~~~~~~~~~~~~~~~~~~~~~~
-``Process.start()`` for spawn and forkserver pickles the process object and
-writes it into a pipe the child reads only after its interpreter booted (and
-re-imported ``__main__``); with more than a pipe's worth of arguments each
-start waits for one child boot.  Starting every process from its own thread
-overlaps those waits.  But PR_SET_PDEATHSIG fires when the *thread* that
-forked the child exits (torch found its spawn children killed by SIGINT when
-its thread pool finished, and gave up on parallel spawn).  So a spawn starter
-thread stays alive, blocked in ``waitid(WNOWAIT)`` (which reaps nothing), until
-its child exits.  forkserver children are forked by the fork server, so their
-starter threads end at once.  fork children are started from the calling thread, one by one
-(fork is cheap, and forking from a helper thread would make every later fork
-warn about threads on Python >= 3.12).
+Invariant: a spawn child's starter thread lives until its child exits, blocked in ``waitid(WNOWAIT)`` (which reaps
+nothing), so PR_SET_PDEATHSIG never fires while the child lives; forkserver starter threads end at once, and fork
+children are started from the calling thread, one by one.
 
-Note [waiting for exits]
-~~~~~~~~~~~~~~~~~~~~~~~~
-``Process.sentinel`` of a fork or spawn child is the read end of a pipe whose
-write end the child holds; it turns readable when every copy of that end is
-closed.  ``os.fork`` copies every descriptor, so a daemon the child starts the
-classic way (fork, ``setsid``, fork: it leaves the child's group, and the group
-reaper lets it live) holds the pipe open: waiting on sentinels, ``join`` would
-return only when the daemon exits, where ``Process.join`` (``waitpid``)
-returns at once.  So ``join`` waits on a pidfd of each child, readable when
-the child itself exits.  An unreaped child keeps its pid, so the pidfd cannot
-name a stranger.  A forkserver child is the fork server's: its sentinel is a
-pipe the fork server writes the exit code into, which is right as it is.
-Where there are no pidfds (Linux < 5.3, seccomp), a thread per child blocks in
-``waitid(WNOWAIT)`` (which reaps nothing) and then writes a byte into a pipe:
-data, unlike the end of a pipe, cannot be held back by an inherited copy.
-
-Note [unguarded main]
-~~~~~~~~~~~~~~~~~~~~~
-A spawn or forkserver child imports the main module again (as ``__mp_main__``)
-before it reads its function.  A script that calls ``spawn`` at its top level,
-without ``if __name__ == "__main__":``, calls it again there; the stdlib
-refuses to start processes then and the child exits with code 1, which the
-parent could only report as "terminated with exit code 1 before it could run
-its function".  So ``start_processes``, called while the process imports the
-main module for a start (``current_process()._inheriting``, the flag the
-stdlib checks), raises a RuntimeError that names the guard, and writes it to
-the error file of this child, for the parent to raise as usual.  The child
-knows that file from its process name: the parent sends the name to the child
-before the main module (the one thing it sends first), so it appends the path
-(``_NAME_TAG``) for the start and takes it off again on both sides.  The
-fork server imports the main module itself as it starts (it preloads
-``__main__``), and such a script may end it there, before any child exists:
-our RuntimeError (or the stdlib's) goes to its stderr, and where the
-connection to the fork server is authenticated (3.13.x and 3.14 seen here;
-3.11.7's children fail instead) the start fails with a broken connection.  A forkserver start that fails so, with
-no child's error file, raises a RuntimeError that names the guard.
+Why: ``Process.start()`` for spawn and forkserver pickles the process object and writes it into a pipe the child
+reads only after its interpreter booted (and re-imported ``__main__``); with more than a pipe's worth of arguments
+each start waits for one child boot. Starting every process from its own thread overlaps those waits. But
+PR_SET_PDEATHSIG fires when the *thread* that forked the child exits (torch found its spawn children killed by SIGINT
+when its thread pool finished, and gave up on parallel spawn). forkserver children are forked by the fork server, so
+that cannot happen to them. fork is cheap, and forking from a helper thread would make every later fork warn about
+threads on Python >= 3.12.
 """
 
 from __future__ import annotations
 
 import contextlib
-import faulthandler
-import logging
 import multiprocessing
-import multiprocessing.connection
 import os
 import shutil
-import signal
-import sys
 import tempfile
 import threading
-import time
-import traceback
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, overload
 
 from . import _deathsig, _errors
-from ._errors import ProcessException, ProcessExitedException, ProcessRaisedException
+from ._child import _NAME_TAG, _refuse_unguarded_start, _wrap
+from ._context import ProcessContext
+from ._errors import ProcessException
 
 __all__ = [
     "ENV_VAR_FAILED_EXIT_TIMEOUT",
     "ENV_VAR_PARALLEL_START",
-    "ProcessContext",
-    "SpawnContext",
     "spawn",
     "start_processes",
 ]
-
-log = logging.getLogger("mp_spawn")
 
 #: Set to ``"0"`` to start spawn/forkserver processes one after another.
 ENV_VAR_PARALLEL_START = "MP_SPAWN_PARALLEL_START"
@@ -134,335 +90,11 @@ _INTERRUPT_GRACE_S = 5.0
 
 _DIR_PREFIX = "mp_spawn-"
 
-# Contexts created in this process and not yet finished; a failing child stops
-# the ones it owns before it exits.
-_live_contexts: weakref.WeakSet[ProcessContext] = weakref.WeakSet()
-
-_fault_file = None  # the child's faulthandler file, kept open until exit
-
-# Appended to a spawn or forkserver child's name for its start, with its error file (Note [unguarded main]).
-_NAME_TAG = " mp_spawn-error-file="
-
-
-# --- the child's side -------------------------------------------------------
-
-
-def _wrap(fn, i, args, error_dir, parent_pid, parent_start, expected_ppid, exit_timeout):
-    """The target of every child process."""
-    current = multiprocessing.current_process()
-    current.name = current.name.partition(_NAME_TAG)[0]
-    _deathsig.bind_to_parent(parent_pid, parent_start, expected_ppid, error_dir)
-    _enable_faulthandler(os.path.join(error_dir, f"{i}.fault"))
-    try:
-        fn(i, *args)
-    except SystemExit:
-        raise  # sys.exit(code): the exit code says it all
-    except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt is a failure too
-        _errors.write_record(os.path.join(error_dir, f"{i}.error"), exc)
-        del exc
-        _stop_own_children()
-        _arm_exit_backstop(exit_timeout)
-        sys.exit(1)
-
-
 _FORKSERVER_DIED = (
     "the fork server exited before it could start the processes. It imports the main module first, and a script "
     "that starts processes (or makes a pool) at its top level fails there: its traceback is on stderr above. "
     'The script needs `if __name__ == "__main__":`; put the code that starts processes under it.'
 )
-
-
-def _refuse_unguarded_start() -> None:
-    """Raise the error of a script without ``if __name__ == "__main__":``, in the child (Note [unguarded main])."""
-    exc = RuntimeError(
-        "a spawn or forkserver child called spawn() or start_processes() while it imported the main module again "
-        "(as __mp_main__, which such a child does before it runs its function): the script starts processes at "
-        "its top level (see the traceback). "
-        'The script needs `if __name__ == "__main__":`; put the code that starts processes under it.'
-    )
-    path = multiprocessing.current_process().name.partition(_NAME_TAG)[2]
-    if path:  # a child of ours: its parent raises this error too
-        _errors.write_record(path, exc, stack=traceback.extract_stack(sys._getframe(1)))
-    raise exc
-
-
-def _enable_faulthandler(path: str) -> None:
-    """Open the fault file (its existence tells the parent ``fn`` was reached)."""
-    global _fault_file
-    try:
-        _fault_file = open(path, "w")  # noqa: SIM115 - must stay open until exit
-    except OSError:
-        return
-    faulthandler.enable(file=_fault_file, all_threads=True)
-
-
-def _stop_own_children() -> None:
-    me = os.getpid()
-    for context in list(_live_contexts):
-        if context._owner_pid == me:
-            context._terminate(first_wait=None, term_wait=1.0)
-            context._finish()
-
-
-def _arm_exit_backstop(seconds: float) -> None:
-    timer = threading.Timer(seconds, os._exit, args=(1,))
-    timer.daemon = True
-    timer.start()
-
-
-# --- the parent's side ------------------------------------------------------
-
-
-class ProcessContext:
-    """The processes started by :func:`start_processes`, and their supervisor.
-
-    ``processes`` are the ``multiprocessing.Process`` objects, in index order;
-    ``error_files`` the paths their errors would be written to.
-    """
-
-    def __init__(self, processes, error_files):
-        self.processes = list(processes)
-        self.error_files = list(error_files)
-        # Readable when the process exited (Note [waiting for exits]); those in _exit_fds are ours to close.
-        self._exit_fds: set[int] = set()
-        weakref.finalize(self, _close_fds, self._exit_fds)
-        self.sentinels = {self._exit_fd(process): index for index, process in enumerate(self.processes)}
-        self._owner_pid = os.getpid()
-        self._error_dir: str | None = None
-        self._finalizer = None
-        self._failure: ProcessException | None = None
-        self._outcomes: dict[int, tuple[dict | None, str, bool]] = {}
-        self._signalled: dict[int, float] = {}
-        # the memory cgroup's OOM count before the children started, and the last one given to a death
-        # (_errors Note [OOM kills]); start_processes sets it from before it started them
-        self._oom_base = self._oom_claimed = _errors.oom_kills()
-        _live_contexts.add(self)
-
-    def pids(self) -> list[int]:
-        """The process ids, in index order."""
-        return [int(process.pid) for process in self.processes]
-
-    def join(self, timeout: float | None = None, grace_period: float | None = None) -> bool:
-        r"""Wait for the processes; raise if one of them failed.
-
-        Returns ``True`` when every process exited cleanly (and keeps returning
-        ``True`` when called again), ``False`` when ``timeout`` seconds passed
-        and some still run.  When one failed (an exception, a non-zero exit
-        code or a signal), waits ``grace_period`` seconds for the others, then
-        sends SIGTERM to those still running, waits ``grace_period`` again (30
-        seconds when it is ``None``), sends SIGKILL to the rest, logs a warning
-        naming each pid it signals, and raises :class:`ProcessRaisedException`
-        or :class:`ProcessExitedException` for the first failure, with every
-        other failure it found in the message.  Called again after that, it
-        raises the same exception.
-        """
-        if self._failure is not None:
-            raise self._failure
-        if not self.sentinels:
-            self._finish()
-            return True
-
-        try:
-            ready = multiprocessing.connection.wait(list(self.sentinels), timeout=timeout)
-        except KeyboardInterrupt:
-            self._relay(signal.SIGINT)
-            raise
-        failed = []
-        for sentinel in ready:
-            index = self._reap(sentinel)  # type: ignore[arg-type]  # wait() gives back the ints it was given
-            if self.processes[index].exitcode != 0:
-                failed.append(index)
-
-        if not failed:
-            if self.sentinels:
-                return False
-            self._finish()
-            return True
-
-        failed.sort()
-        self._terminate(first_wait=grace_period, term_wait=30.0 if grace_period is None else grace_period)
-        for index in range(len(self.processes)):
-            if index not in failed and self._failed_on_its_own(index):
-                failed.append(index)
-        exceptions = [self._exception(index) for index in failed]
-        self._failure = _combine(exceptions)
-        self._finish()
-        raise self._failure
-
-    # -- internals
-
-    def _relay(self, signum: int) -> None:
-        """Send ``signum`` to the process group of every child not yet joined.
-
-        Each child leads a session of its own, so the terminal's Ctrl-C no
-        longer reaches it (Note [process groups] in ``_deathsig``).
-        """
-        for index in self.sentinels.values():
-            process = self.processes[index]
-            # Not reaped yet, so its pid, and the group named after it, are still its own.
-            if process.exitcode is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(process.pid, signum)
-
-    def _exit_fd(self, process) -> int:
-        """A descriptor that turns readable when ``process`` exits (Note [waiting for exits])."""
-        pid = process.pid
-        fields = _deathsig._stat_fields(pid)
-        if fields is None or int(fields[1]) != os.getpid():
-            return process.sentinel  # a forkserver child (or one joined already)
-        try:
-            fd = os.pidfd_open(pid)
-        except OSError:  # no pidfds
-            fd, write_end = os.pipe()
-            threading.Thread(target=_signal_exit, args=(pid, write_end), name="mp_spawn-exit", daemon=True).start()
-        self._exit_fds.add(fd)
-        return fd
-
-    def _reap(self, sentinel: int) -> int:
-        """Join the finished process of ``sentinel`` and collect (then remove) its files; return its index."""
-        index = self.sentinels.pop(sentinel)
-        if sentinel in self._exit_fds:
-            self._exit_fds.discard(sentinel)
-            os.close(sentinel)
-        process = self.processes[index]
-        process.join()
-        record = None
-        fault = ""
-        started = True
-        path = self.error_files[index]
-        if path is not None:
-            record = _errors.read_record(path)
-            fault_path = os.path.join(os.path.dirname(path), f"{index}.fault")
-            try:
-                with open(fault_path, errors="replace") as fh:
-                    fault = fh.read()
-                os.unlink(fault_path)
-            except FileNotFoundError:
-                started = False
-        self._outcomes[index] = (record, fault, started)
-        return index
-
-    def _failed_on_its_own(self, index: int) -> bool:
-        exitcode = self.processes[index].exitcode
-        if exitcode == 0:
-            return False
-        if index not in self._signalled:
-            return True
-        record = self._outcomes[index][0]
-        return record is not None and record["time"] < self._signalled[index]
-
-    def _exception(self, index: int) -> ProcessException:
-        process = self.processes[index]
-        record, fault, started = self._outcomes[index]
-        if record is not None:
-            return _errors.raised_exception(index, process.pid, record)
-        oom = self._oom_kill() if process.exitcode == -signal.SIGKILL and index not in self._signalled else None
-        msg, name = _errors.exited_message(index, process.exitcode, started, oom)
-        if process.exitcode < 0 and fault.strip():
-            msg += f"\n\n-- Python stack of process {index:d} when it received {name}:\n{fault.rstrip()}\n"
-        return ProcessExitedException(msg, index, process.pid, process.exitcode, name)
-
-    def _oom_kill(self) -> bool | None:
-        """Whether a child's SIGKILL was the OOM killer's: the count rose past the last one given (None: unknown)."""
-        now = _errors.oom_kills()
-        if now is None or self._oom_claimed is None:
-            return None
-        if now > self._oom_claimed:
-            self._oom_claimed += 1
-            return True
-        return False
-
-    def _wait(self, seconds: float) -> None:
-        """Wait up to ``seconds`` for every unjoined process."""
-        deadline = time.monotonic() + seconds
-        while self.sentinels:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            for sentinel in multiprocessing.connection.wait(list(self.sentinels), timeout=remaining):
-                self._reap(sentinel)  # type: ignore[arg-type]  # as in join()
-
-    def _terminate(self, first_wait: float | None, term_wait: float) -> None:
-        """Wait, SIGTERM, wait, SIGKILL: afterwards every process is joined."""
-        if first_wait is not None:
-            self._wait(first_wait)
-        for index in list(self.sentinels.values()):
-            process = self.processes[index]
-            if process.is_alive():
-                log.warning("Terminating process %s via signal SIGTERM", process.pid)
-                self._signalled[index] = time.time()
-                process.terminate()
-        self._wait(term_wait)
-        for index in list(self.sentinels.values()):
-            process = self.processes[index]
-            if process.is_alive():
-                log.warning(
-                    "Unable to shutdown process %s via SIGTERM, forcefully exiting via SIGKILL",
-                    process.pid,
-                )
-                self._signalled.setdefault(index, time.time())
-                process.kill()
-        for sentinel in list(self.sentinels):
-            self._reap(sentinel)
-
-    def _finish(self) -> None:
-        """Forget this context once every process is joined; remove its directory."""
-        _live_contexts.discard(self)
-        if self._finalizer is not None:
-            self._finalizer()
-
-
-class SpawnContext(ProcessContext):
-    """Deprecated alias of :class:`ProcessContext` (its name before torch 1.4)."""
-
-    def __init__(self, processes, error_files):
-        warnings.warn(
-            "SpawnContext is renamed to ProcessContext; use ProcessContext",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        super().__init__(processes, error_files)
-
-
-def _signal_exit(pid: int, write_end: int) -> None:
-    """Write a byte to ``write_end`` once child ``pid`` exited (Note [waiting for exits])."""
-    with contextlib.suppress(ChildProcessError):  # reaped already (is_alive() in _terminate may reap it)
-        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-    with contextlib.suppress(OSError):  # the context was dropped and closed the read end
-        os.write(write_end, b"x")
-    os.close(write_end)
-
-
-def _close_fds(fds: set[int]) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    fds.clear()
-
-
-def _combine(exceptions: list[ProcessException]) -> ProcessException:
-    """The first failure, with the others in its message."""
-    first, others = exceptions[0], exceptions[1:]
-    first.other_failures = others
-    if not others:
-        return first
-    text = ""
-    for other in others:
-        if isinstance(other, ProcessRaisedException):
-            text += f"\n\n-- Process {other.error_index:d} also failed with the following error:\n"
-            text += other.child_traceback or ""
-        else:
-            text += f"\n\n-- Process {other.error_index:d} also failed: {other.msg}"
-    if isinstance(first, ProcessRaisedException):
-        # The first failure's traceback keeps ending the message, as in torch.
-        first.msg = f"\n\n-- {len(exceptions)} processes failed; process {first.error_index:d} first.{text}{first.msg}"
-    else:
-        first.msg = first.msg + text
-    first.args = (first.msg,)
-    return first
-
-
-# --- starting ---------------------------------------------------------------
 
 
 def _failed_exit_timeout() -> float:

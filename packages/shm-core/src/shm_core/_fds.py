@@ -15,12 +15,15 @@ import socket
 
 from . import _native
 
-# Note [descriptor headroom]: the kernel installs a message's descriptors in
-# the receiver as it dequeues the message; those that do not fit under the
-# receiver's RLIMIT_NOFILE it drops and sets MSG_CTRUNC: the message is gone
-# (its segments with it, when the sender has let go). A receive with MSG_PEEK
-# installs them too (copies), but leaves the message queued. So recv_fds
-# first peeks, and dequeues only a message whose descriptors fit:
+# Note [descriptor headroom]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Invariant: recv_fds dequeues a message only when its descriptors fit under RLIMIT_NOFILE, and returns only what its
+# own receive dequeued; a receiver short of descriptors gets OSError(EMFILE), the message left queued (but in the one
+# race below).
+#
+# Why: the kernel installs a message's descriptors as it dequeues it, drops those that do not fit and sets
+# MSG_CTRUNC: the message is gone (its segments too, once the sender let go). A MSG_PEEK receive installs them too
+# (copies) but leaves the message queued. So recv_fds peeks first:
 #
 #   peek: descriptors installed, closed at once ── MSG_CTRUNC ──▶ OSError(EMFILE); the message stays queued
 #     │ they fit: at least that many numbers are free
@@ -28,19 +31,13 @@ from . import _native
 #     │
 #   the message dequeued, with the descriptors this receive installed
 #
-# Several readers may share a socket (the consumers of one Queue, the threads
-# of one process), and another may dequeue between our peek and our receive.
-# The peek only measures: what recv_fds returns is always what its own receive
-# dequeued, with that receive's descriptors, so no message is returned twice,
-# and one that a reader peeked but another dequeued is the other's alone. A
-# reader short of descriptors leaves the message to the others or to its next
-# receive. One case no lock-free protocol closes (dequeue and install are one
-# system call, and no call dequeues a chosen message): the peeked message fit,
-# another reader took it, and the next one, dequeued in its place, carries more
-# descriptors than this reader has free (or another thread of this process
-# took them meanwhile). That message is lost, and OSError(EMFILE) says so (on
-# a stream socket, whose messages span several receives, the connection is
-# then out of step). The peek costs one more recvmsg per message (~1 us).
+# Several readers may share a socket (a Queue's consumers, a process's threads). The peek only measures: no message
+# is returned twice, one a reader peeked but another dequeued is the other's, and a reader short of descriptors
+# leaves the message to the others. The race no lock-free protocol closes (dequeue and install are one system call,
+# and none dequeues a chosen message): the peeked message fit, another reader took it, and the one dequeued in its
+# place carries more descriptors than this reader has free (or another thread took them meanwhile). That message is
+# lost and the OSError says so; a stream socket is then out of step. The peek costs one more recvmsg per message
+# (about 1 us).
 
 
 def send_fds(sock: socket.socket, buffers, fds=(), flags: int = 0) -> int:

@@ -54,32 +54,24 @@ NAME_RE = re.compile(r"(?P<prefix>(?:[A-Za-z0-9_-]{0,63}[A-Za-z_-])?)(?P<uid>[0-
 
 # Note [untrusted handles]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
-# A handle (a name and directory, or a received descriptor) comes from another
-# process: it is untrusted input, and nothing it names is mapped before it is
-# checked, so a forged one raises SegmentError (PermissionError: another
-# user's file) in the receiver, never SIGBUS, SIGSEGV or a write elsewhere:
+# Invariant: nothing a handle names is mapped before it is checked, so a forged handle (a name and directory, or a
+# received descriptor: untrusted input from another process) raises SegmentError (PermissionError: another user's
+# file) in the receiver, never SIGBUS, SIGSEGV or a write elsewhere. The checks:
 #
-#  - a name must match NAME_RE (one path component, no '/', no '..'); the
-#    directory must be one this process trusts: its configured shm_dir(), or
-#    one it created segments in (_created_dirs), never any path from the wire;
-#  - the name is opened (and unlinked) relative to a descriptor of that
-#    directory, with O_NOFOLLOW: a symlink named like a segment is not
-#    followed; fstat then wants a regular file owned by our euid on the
-#    directory's filesystem;
-#  - the file (named or received) must be a regular file, its header read with
-#    pread must be ours and say exactly the file's length, and its allocated
-#    blocks must cover that length. The creators keep that invariant: _reserve
-#    allocates every page of every segment (fallocate, or zeros written on a
-#    filesystem without fallocate), so a sparse file is a forgery, one whose
-#    first touch would SIGBUS on a full tmpfs. We never map past the file's end.
-#  - a received descriptor must be sealed against shrinking and growing
-#    (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL, added by create_anonymous as
-#    soon as its pages are reserved): its sender cannot cut it under our
-#    mapping, and nobody can add a seal (F_SEAL_FUTURE_WRITE) that would break
-#    another holder's next mapping.
+# - a name must match NAME_RE (one path component, no '/', no '..'); the directory must be one this process trusts
+#   (its shm_dir(), or one it created segments in: _created_dirs), never a path from the wire;
+# - the name is opened (and unlinked) relative to a descriptor of that directory, with O_NOFOLLOW (a symlink named
+#   like a segment is not followed); fstat then wants a regular file owned by our euid on that filesystem;
+# - the file (named or received) must be a regular file whose header, read with pread, is ours and says exactly the
+#   file's length, and whose allocated blocks cover that length: _reserve allocates every page of every segment
+#   (fallocate, or zeros written), so a sparse file is a forgery, whose first touch would SIGBUS on a full tmpfs. We
+#   never map past the file's end;
+# - a received descriptor must be sealed (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL, added by create_anonymous once
+#   its pages are reserved): its sender cannot cut it under our mapping, and nobody can add a seal
+#   (F_SEAL_FUTURE_WRITE) that would break another holder's next mapping.
 #
-# What no check can stop: a process of our own uid shrinking a named file
-# after we mapped it (tmpfs files that have names cannot be sealed).
+# Not covered: a process of our own uid shrinking a named file after we mapped it (named tmpfs files cannot be
+# sealed).
 _created_dirs: set[str] = set()
 _repr = reprlib.Repr()  # untrusted values in messages, cut at 200 characters
 _repr.maxstring = _repr.maxother = 200

@@ -17,13 +17,15 @@ process (ImportCache); every received array owns the mapping through an
 Sending a received array on counts a forward in the original producer's
 registry and re-exports the producer's handle: no clone, no new allocation.
 
-Note [pickling thread]: the event records the current stream of the thread
-that pickles. arraymp's queues, Pipe and the stdlib's SimpleQueue and
-Connection pickle in the caller of ``put``/``send``, so the caller's stream
-is ordered before the consumer's. The stdlib's ``Queue`` pickles later, in
-its feeder thread, whose stream is the legacy default stream: that covers
-work on blocking streams, not on ``Stream(non_blocking=True)`` ones, whose
-work must be synchronized before such a ``put``.
+Note [pickling thread]
+~~~~~~~~~~~~~~~~~~~~~~
+Invariant: the interprocess event a cupy array's handle carries is recorded on the current stream of the thread that
+pickles the array, so a consumer that waits on it sees all work queued on that stream before the pickle.
+
+arraymp's queues, Pipe and the stdlib's SimpleQueue and Connection pickle in the caller of ``put``/``send``, so the
+caller's stream is ordered before the consumer's. The stdlib's ``Queue`` pickles later, in its feeder thread, whose
+stream is the legacy default stream: that covers work on blocking streams, not on ``Stream(non_blocking=True)`` ones,
+whose work must be synchronized before such a ``put``.
 """
 
 from __future__ import annotations

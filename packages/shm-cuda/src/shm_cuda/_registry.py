@@ -23,7 +23,7 @@ One shared segment (a memfd by default; see RegistryRef for how it travels)::
 
 Note [one writer per word]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
-``word[s][r]`` is written only by the consumer owning row r while it lives,
+Invariant: ``word[s][r]`` is written only by the consumer owning row r while it lives,
 and by the producer only after that consumer is provably dead. Receiving a
 message is one atomic add of ``(1 << 32) + 1`` (or ``1 << 32`` when the
 process already holds the block), so "the message arrived" and "this process

@@ -12,21 +12,8 @@ or of another user is ever touched.
 """
 
 from . import _end  # noqa: F401  (registers the group's end at exit: Note [End of a group])
-from ._client import (
-    claim,
-    daemon_pid,
-    done_with,
-    drop_from,
-    flush,
-    give,
-    hold,
-    register,
-    release,
-    send_to,
-    take_back,
-    take_from,
-    unregister,
-)
+from ._calls import claim, drop_from, give, hold, register, send_to, take_back, take_from, unregister
+from ._client import daemon_pid, done_with, flush, release
 from ._gc import gc, list_segments, stats
 from ._group import current_group, group, join_group, member, new_name
 from ._paths import parse as parse_name

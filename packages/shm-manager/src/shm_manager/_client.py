@@ -1,4 +1,4 @@
-"""The per-process connections to the group's daemons: ``register`` / ``unregister`` / ``hold`` / ``release``.
+"""The per-process connections to the group's daemons: frames sent, reconnects, ``release``, their end at exit.
 
 Adapts the client half of CPython's ``multiprocessing/resource_tracker.py``:
 one stream connection per process and segment directory (a forked child drops
@@ -18,16 +18,12 @@ when no daemon can be had, that is said once (a RuntimeWarning) and the group
 works on; its segments are then removed when it ends (Note [End of a group] in
 _end.py), or by the next program's sweep or ``gc``.
 
-Frame: ``<u32 length><op><name>``, op ``R`` (register) or ``U``, ``H`` (this
-process holds one count of the segment's refcount) or ``X`` (the daemon takes
-one count back for it: unlinking at zero); and for the counts a fork child
-inherits (Note [Counts given at fork] in _daemon.py), ``G`` with
-``<pid>:<start time>:<name>`` (the parent gave that child one count) and ``C``
-with ``<start time>:<name>`` (the child claims one count its parent gave it); for the in-flight counts of a
-message whose reader says when it is done with its sender (Note [Counts sent to a reader] in _daemon.py), ``T``
-with ``<reader pid>:<name>`` (this process sent it one count), ``V`` (takes one back, unsent), ``A`` with
-``<sender pid>:<name>`` (this process takes over one count that sender sent it), ``D`` (it gives that count back
-itself) and ``S`` with ``<sender pid>`` (this process will take nothing more from it).
+Frame: ``<u32 length><op><name>`` (``_frame``); ``_calls`` lists the ops and
+has most of the calls that send them (``register``, ``hold``, ``give``,
+``send_to``, ...). Here are those that act on the connections as a whole:
+``release`` (a count given back, even from inside a call: Note [release from
+a collection]), ``done_with`` (to every daemon), ``held``, ``flush``,
+``daemon_pid``.
 """
 
 from __future__ import annotations
@@ -40,18 +36,13 @@ import sys
 import threading
 import time
 import warnings
-from typing import TYPE_CHECKING
 
 import shm_core
 
 from . import _group, _paths
 
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
 _MAX_PENDING = 4 << 20
 _BEHIND_WAIT = 1.0  # seconds a call waits for a daemon that far behind
-_BATCH = 4096  # bytes of frames that need not go at once (drop_from) sent together: one read of the daemon's
 _RETRY_AFTER = 1.0
 
 
@@ -72,13 +63,15 @@ class _Conn:
 class _Lock:
     """The lock over the connections, and the releases that arrived while this thread held it.
 
-    Note [release from a collection]: a garbage collection can run inside any
-    allocation, also while this thread holds the lock (in register, say), and
-    free a named segment whose ``__del__`` calls release(). Taking the lock
-    again would hang; touching the connection then would interleave with the
-    half-done change of the holder (its pending bytes, its holds being sent on
-    a reconnect). So such a release is only queued, and the holder makes it,
-    in full, before it lets the lock go.
+    Note [release from a collection]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    Invariant: a release() on a thread that holds the lock already neither takes the lock nor touches a connection:
+    it is queued in ``deferred``, and the holder makes it, in full, before it lets the lock go.
+
+    Why: a garbage collection can run inside any allocation, also while this thread holds the lock (in register,
+    say), and free a named segment whose ``__del__`` calls release(). Taking the lock again would hang; touching the
+    connection then would interleave with the half-done change of the holder (its pending bytes, its holds being sent
+    on a reconnect).
     """
 
     def __init__(self):
@@ -143,126 +136,9 @@ def _tell(c: _Conn, op: bytes, name: str, connect: bool = True) -> None:
     _drain(c)
 
 
-def register(name: str, dir: str | os.PathLike | None = None) -> None:
-    """Tell the group's daemon about a named segment (fire-and-forget; never raises)."""
-    try:
-        token = _group.member(dir, _token(name))[0]
-        with _lock:
-            c = _conn(dir, token)
-            c.names.add(name)
-            _tell(c, b"R", name)
-    except Exception:
-        pass
-
-
-def unregister(name: str, dir: str | os.PathLike | None = None) -> None:
-    """Tell the daemon a segment was unlinked (fire-and-forget; never raises)."""
-    try:
-        with _lock:
-            c = _conn(dir, _token(name))
-            c.names.discard(name)
-            _tell(c, b"U", name, connect=bool(c.names))
-    except Exception:
-        pass
-
-
-def hold(name: str, dir: str | os.PathLike | None = None) -> None:
-    """This process now holds one count of the segment's header refcount (fire-and-forget).
-
-    Should this process die holding it, the daemon gives the count back (and
-    unlinks the segment when that was the last): a SIGKILLed consumer does not
-    pin a segment until its whole group ends. The segment may be of another
-    group (Note [Holds across groups] in _group.py).
-    """
-    try:
-        token = _group.member(dir, _token(name))[0]
-        with _lock:
-            c = _conn(dir, token)
-            c.holds[name] = c.holds.get(name, 0) + 1
-            _tell(c, b"H", name)
-    except Exception:
-        pass
-
-
-def give(pid: int, start: int, names: list[tuple[str, str | os.PathLike | None]]) -> None:
-    """The parent of a fork child ``pid`` (started at ``start``, clock ticks since boot) counted one refcount of
-    each named segment of ``names`` ((name, dir) pairs) for it: tell the daemons, which give those counts back if
-    the child dies before it claims them (Note [Counts given at fork] in _daemon.py). Fire-and-forget."""
-    try:
-        with _lock:
-            for name, dir in names:
-                c = _conn(dir, _group.member(dir, _token(name))[0])
-                if c.sock is None:
-                    _connect(c)
-                if c.sock is not None:
-                    c.pending += _frame(b"G", f"{pid}:{start}:{name}")
-                    _drain(c)
-    except Exception:
-        pass
-
-
-def send_to(reader: int, name: str, dir: str | os.PathLike | None, count: Callable[[], object]) -> bool:
-    """Add one in-flight count of ``name`` for a message to process ``reader`` (``count()``, the caller's increment
-    of the header) and tell the daemon, which gives it back if ``reader``, done with this process
-    (:func:`done_with`), never took it over (:func:`take_from`): Note [Counts sent to a reader] in _daemon.py. The
-    count is added right before the frame's ``send``, with this process's socket drained first (waiting up to a
-    second for room, as :func:`release` does), so that a process killed in between is a matter of microseconds;
-    send the message only after. False: no daemon can be told, and nothing was counted."""
-    return _tell_peer(b"T", reader, name, dir, count)
-
-
-def take_back(reader: int, name: str, dir: str | os.PathLike | None = None) -> bool:
-    """Give back, through the daemon, a count added with :func:`send_to` whose message was not sent. False: no
-    daemon was told (one gone forgot what it was told: the caller takes the count off itself)."""
-    return _tell_peer(b"V", reader, name, dir)
-
-
-def _tell_peer(op: bytes, peer: int, name: str, dir, count: Callable[[], object] | None = None) -> bool:
-    try:
-        with _lock:
-            c = _conn(dir, _group.member(dir, _token(name))[0])
-            if c.sock is None:
-                _connect(c)
-            frame = _frame(op, f"{peer}:{name}")
-            if c.sock is None or not _send_pending(c, 1.0):
-                if count is None and c.sock is not None:  # (a take-back may wait in the buffer)
-                    c.pending += frame
-                    return True
-                return False
-            if count is not None:
-                count()
-            c.pending += frame
-            _drain(c)
-            return c.sock is not None
-    except Exception:
-        return False
-
-
-def take_from(sender: int, name: str, dir: str | os.PathLike | None = None) -> None:
-    """This process holds the in-flight count that ``sender`` told with :func:`send_to`; as :func:`hold`, but no
-    new count (Note [Counts sent to a reader] in _daemon.py). Unconnected, the hold goes as ``H`` when connected:
-    a new daemon knows of no count sent."""
-    _hold_given(name, dir, _frame(b"A", f"{sender}:{name}"), keep_claim=False)
-
-
-def drop_from(sender: int, name: str, dir: str | os.PathLike | None = None) -> None:
-    """As :func:`take_from`, for a reader that maps the segment already and gives the count back itself: the
-    daemon only forgets it (Note [Counts sent to a reader] in _daemon.py). Fire-and-forget, and sent with the next
-    frames (by :func:`done_with` at the latest): it only has to come before that."""
-    try:
-        with _lock:
-            c = _conn(dir, _group.member(dir, _token(name))[0])
-            if c.sock is not None:
-                c.pending += _frame(b"D", f"{sender}:{name}")
-                if len(c.pending) >= _BATCH:
-                    _drain(c)
-    except Exception:
-        pass
-
-
 def done_with(senders) -> None:
     """This process has read every message the processes ``senders`` (pids, dead or gone) sent it: the counts
-    they told with :func:`send_to` that it never took go back (Note [Counts sent to a reader] in _daemon.py).
+    they told with :func:`send_to` that it never took go back (Note [Counts sent to a reader] in _books.py).
     Told to every daemon this process is connected to, and to its own group's (connecting, but not starting one:
     with none there, nothing was told); fire-and-forget."""
     try:
@@ -288,31 +164,6 @@ def _my_start() -> int | None:
     if _start[0] != os.getpid():
         _start = (os.getpid(), _paths.start_time(os.getpid()))
     return _start[1]
-
-
-def claim(name: str, dir: str | os.PathLike | None = None) -> None:
-    """In a fork child: this process holds the count of the segment its parent took for it before the fork (and
-    told the daemon of with :func:`give`); as :func:`hold`, but no new count (Note [Counts given at fork])."""
-    _hold_given(name, dir, _frame(b"C", f"{_my_start()}:{name}"), keep_claim=True)
-
-
-def _hold_given(name: str, dir, frame: bytes, keep_claim: bool) -> None:
-    """This process holds a count another process added (claim, take_from), told by ``frame``; unconnected, one
-    to ``keep_claim`` is kept to be sent as ``C`` once connected. Fire-and-forget."""
-    try:
-        token = _group.member(dir, _token(name))[0]
-        with _lock:
-            c = _conn(dir, token)
-            c.holds[name] = c.holds.get(name, 0) + 1
-            if c.sock is None:
-                if keep_claim:
-                    c.claims[name] = c.claims.get(name, 0) + 1
-                _connect(c)
-            else:
-                c.pending += frame
-            _drain(c)
-    except Exception:
-        pass
 
 
 def release(name: str, dir: str | os.PathLike | None = None) -> bool:

@@ -2,16 +2,14 @@
 
 Note [End of a group]
 ~~~~~~~~~~~~~~~~~~~~~
-The main process (the one that made the token), exiting normally, closes its
-locks and, where that proves the group dead (in the dirs it was a member of,
-and the default shm dir), removes what is left of it there: segments, the
-daemon's socket, the lock file. So a program leaves nothing, even when no
-daemon ran (its first segment could not be made) or none could be started.
-Other members leave that to the daemon: a child that ends right after sending
-a segment to a parent that has had none yet (so is no member) would otherwise
-remove it under the parent, with no linger. The daemon does the same when
-members are killed; the next program's sweep, or ``shm-manager gc``, when the
-daemon was killed too.
+Invariant: when the main process (the one that made the token) exits normally and closing its locks proves the group
+dead (Note [Proof of death]), nothing of the group is left in the dirs it was a member of and in the default shm dir:
+no segment, no daemon's socket, no lock file; even when no daemon ran (its first segment could not be made) or none
+could be started. The main process removes them itself.
+
+Other members leave that to the daemon: a child that ends right after sending a segment to a parent that has had none
+yet (so is no member) would otherwise remove it under the parent, with no linger. The daemon does the same when
+members are killed; the next program's sweep, or ``shm-manager gc``, when the daemon was killed too.
 """
 
 from __future__ import annotations

@@ -19,35 +19,34 @@ segment belongs to.
 
 Note [Holds across groups]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
-A process may hold segments of groups other than its own (a Dask worker
-holds what a client of another program sent it). ``hold()`` makes it a member
-of the segment's group in that directory too (``member(dir, token)``: LOCK_SH
-on that group's lock, kept until the process dies) and tells that group's
-daemon. So a segment lives while any process on the node holds it, whatever
-its group: the creating group is not proved dead while a holder lives, and
-the holder's count is given back by that group's daemon when it dies, even
-by SIGKILL. Switching group (``join_group``) keeps these foreign locks.
+Invariant: a segment lives while any process on the node holds it, whatever its group, and a holder's count goes back
+when the holder dies, even by SIGKILL.
+
+A process may hold segments of groups other than its own (a Dask worker holds what a client of another program sent
+it). ``hold()`` makes it a member of the segment's group in that directory too (``member(dir, token)``: LOCK_SH on
+that group's lock, kept until the process dies) and tells that group's daemon. So the creating group is not proved
+dead while a holder lives, and that group's daemon gives the holder's count back when it dies. Switching group
+(``join_group``) keeps these foreign locks.
 
 Note [Startup sweep]
 ~~~~~~~~~~~~~~~~~~~~
-The process that makes a new token (the first arraymp process of a program)
-sweeps the default shm directory once for segments of dead groups, at that
-``group()`` call (so at ``import arraymp``): one listdir, one non-blocking flock
-per distinct group. It creates nothing; it removes only what gc would, and it
-never fails the caller.
+Invariant: a program sweeps the default shm directory for segments of dead groups at most once, in the process that
+makes a new token (its first arraymp process), at that ``group()`` call (so at ``import arraymp``); the sweep creates
+nothing, removes only what gc would, and never fails the caller. ``ARRAYMP_MANAGER_SWEEP=0`` turns it off. It costs
+one listdir and one non-blocking flock per distinct group.
 
 Note [Locks and fork]
 ~~~~~~~~~~~~~~~~~~~~~
-flock locks belong to the open file description; a forked child shares the
-parent's, so the group stays locked while either lives. The child still takes
-its own description at once (``os.register_at_fork``): code that closes
-inherited descriptors, or a parent that ends while the child lives, cannot
-then unlock the child. Nothing ever calls LOCK_UN, which would unlock every
-process sharing the description; a member just closes.
+Invariant: a member's LOCK_SH on its group's lock file is held until that member dies, whatever its parent or its own
+code does with inherited descriptors; nothing ever calls LOCK_UN, which would unlock every process sharing the open
+file description (a member just closes).
 
-A forkserver's server may have started before the group existed, so its
-children may carry no $ARRAYMP_GROUP (they start a group of their own) or a
-stale module state: a parent can pass ``group()`` along and the child call
+flock locks belong to the open file description; a forked child shares the parent's, so the group stays locked while
+either lives. The child still takes its own description at once (``os.register_at_fork``): code that closes inherited
+descriptors, or a parent that ends while the child lives, cannot then unlock the child.
+
+A forkserver's server may have started before the group existed, so its children may carry no $ARRAYMP_GROUP (they
+start a group of their own) or a stale module state: a parent can pass ``group()`` along and the child call
 ``join_group(token)``, which switches group.
 """
 

@@ -2,47 +2,39 @@
 
 Note [Proof of death]
 ~~~~~~~~~~~~~~~~~~~~~
-Every process of a group that has made or received a named segment in a
-directory D, and every process of another group that holds one of the group's
-segments there (Note [Holds across groups] in _group.py), holds
-``flock(LOCK_SH)`` on ``<runtime dir of D>/<group>.lock`` from then on for as
-long as it lives; the kernel drops the lock when the process
-dies, whatever killed it. So the group is dead in D exactly when
-``flock(LOCK_EX | LOCK_NB)`` on that file succeeds: that is proof, not a guess
-from pids (pids are reused and are not visible across pid namespaces).
+Invariant: a group is dead in a directory D exactly when ``flock(LOCK_EX | LOCK_NB)`` on ``<runtime dir of
+D>/<group>.lock`` succeeds, and nobody ever holds a lock on a file that is no longer the group's lock file.
 
-Whoever proves a group dead keeps the exclusive lock while it removes the
-group's segments (and its daemon's socket), then unlinks the lock file and
-closes it. A process joining the group meanwhile blocks in ``LOCK_SH``; once it
-has the lock it checks that the path still names the inode it locked, and
-starts over when it does not. So nobody ever holds a lock on a file that is no
-longer the group's lock file.
+Every process of the group that has made or received a named segment in D, and every process of another group that
+holds one of the group's segments there (Note [Holds across groups] in _group.py), holds ``flock(LOCK_SH)`` on that
+file from then on for as long as it lives; the kernel drops the lock when the process dies, whatever killed it. That
+is proof, not a guess from pids (pids are reused and are not visible across pid namespaces).
 
-Membership is taken at the first named segment (see _group.py), not at import:
-a process that has the token but never touched a named segment does not count.
-So a segment in flight to such a process is kept alive only by the members that
-did: when all of them have ended before it arrives, it is gone, like a message
-lost in a crash.
+Whoever proves a group dead keeps the exclusive lock while it removes the group's segments (and its daemon's socket),
+then unlinks the lock file and closes it. A process joining the group meanwhile blocks in ``LOCK_SH``; once it has
+the lock it checks that the path still names the inode it locked, and starts over when it does not.
+
+Not covered: membership is taken at the first named segment (see _group.py), not at import, so a segment in flight to
+a process that has the token but never touched a named segment is kept alive only by the members that did: when all
+of them have ended before it arrives, it is gone, like a message lost in a crash.
 
 Note [Runtime directory]
 ~~~~~~~~~~~~~~~~~~~~~~~~
-The runtime directory of segments in D is ``D/.arraymp-<uid>`` (a real
-directory, owned by the user, 0700): the liveness locks live on the same
-filesystem, and are seen by the same processes, as the segments they vouch for,
-whatever $XDG_RUNTIME_DIR or private /tmp each process has. D is shared (sticky,
-world-writable), so another user can create that name first (a directory or a
-symlink): then a fallback ``D/.arraymp-<uid>-<random>`` made by ``mkdtemp`` is
-used, with one warning. Nobody else can make a directory owned by us, so every
-process of the user finds the same fallback by listing D (the first by name),
-and lookups (gc, the sweep) cover all of our runtime directories in D. A
-fallback that exists is used even after the squatter left, so running groups
-and new ones agree. (Two processes that both find no fallback at the same
-moment each make one; gc covers both, and a member joins its group's lock
-wherever it is: only members of one group making their first segments at that
-very moment could end up in different lock files.)
-``ARRAYMP_RUNTIME_DIR`` overrides all this. Inside, files are opened with
-``O_NOFOLLOW``; the daemon's socket is reached through a descriptor of the
-directory (``/proc/self/fd/<n>/<group>.sock``: no path length limit).
+Invariant: every process of a user uses the same runtime directory for segments in D: ``ARRAYMP_RUNTIME_DIR`` where
+it is set, else ``D/.arraymp-<uid>`` (a real directory, owned by the user, 0700), else the first
+``D/.arraymp-<uid>-<random>`` by name. So the liveness locks live on the same filesystem, and are seen by the same
+processes, as the segments they vouch for, whatever $XDG_RUNTIME_DIR or private /tmp each process has.
+
+D is shared (sticky, world-writable), so another user can create that name first (a directory or a symlink): then a
+fallback made by ``mkdtemp`` is used, with one warning. Nobody else can make a directory owned by us, so every
+process of the user finds the same fallback by listing D, and lookups (gc, the sweep) cover all of our runtime
+directories in D. A fallback that exists is used even after the squatter left, so running groups and new ones agree.
+Inside, files are opened with ``O_NOFOLLOW``; the daemon's socket is reached through a descriptor of the directory
+(``/proc/self/fd/<n>/<group>.sock``: no path length limit).
+
+Not covered: two processes that both find no fallback at the same moment each make one; gc covers both, and a member
+joins its group's lock wherever it is: only members of one group making their first segments at that very moment
+could end up in different lock files.
 """
 
 from __future__ import annotations

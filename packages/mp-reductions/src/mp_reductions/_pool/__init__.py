@@ -1,12 +1,13 @@
 """The pool: one core of processes, channels and helper threads, and two fronts over it, ``Pool``
 (multiprocessing.pool's API) and ``ProcessPoolExecutor`` (concurrent.futures'). Its modules, each one concern,
-in layers (each imports only those above it)::
+in layers (each imports only those above it; docs/internals.md has the package's whole map)::
 
-    errors, clock, wire, results        the pool's errors; the task clock; the wire format; the result objects
-    watchdog                            time limits, and what explains a death        (imports clock via slots)
-    worker                              the worker process's body                     (wire, results)
-    slots                               the workers' queues: dispatch, batches, lost tasks    (wire, clock)
-    handlers                            the task, worker and result handler threads   (slots, errors, wire)
+    clock, results                      the task clock; the result objects and the cache of pending ones
+    watchdog                            time limits, and what explains a death
+    errors                              the pool's errors                             (watchdog's GRACE)
+    wire                                the wire format                               (the channels)
+    handlers, worker                    the handler threads; the worker process's body (errors, results, wire)
+    slots                               the workers' queues: dispatch, batches, lost tasks    (clock, wire, queues)
     core                                one pool's lifecycle; Note [helper threads]   (all of the above)
     pool, executor                      the two fronts                                 (core, results, errors)
 

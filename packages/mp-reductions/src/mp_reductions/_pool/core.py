@@ -270,7 +270,7 @@ class Core:
         _quietly(self.slots.drain)  # nothing takes from the slots any more
         self.watchdog.stop()
         _join(self.threads.get("watchdog"))
-        _quietly(self.slots.done_with, list(self.slots.senders))  # (_reductions Note [results told])
+        _quietly(self.slots.done_with, list(self.slots.senders))  # (_message Note [results told])
         _quietly(_recycle.release_all)
         self.close_channels()  # their descriptors go now, not when a traceback holding the pool is collected
 
@@ -293,14 +293,16 @@ def _quietly(call, *args) -> None:
         log.exception("the pool's teardown: %s failed", getattr(call, "__qualname__", call))
 
 
-# Note [fork server preload]: a forkserver worker is forked from the fork server, so what the server imported
-# the worker need not import again. The stdlib's server preloads only the main module (and 3.11-3.13 do not
-# even that: the key they pass is not the one the server reads), so every worker imported numpy and this
-# package anew: 100-250 ms each before its first task. The first forkserver pool therefore adds our packages to
-# the preload list, kept as the user set it otherwise, before the server starts (once it runs, the list is not
-# read again: a server the stdlib or the user started earlier serves as it is). The server imports them at
-# start (an ImportError there is ignored, as for any preload name); a module already in that list is not added
-# twice.
+# Note [fork server preload]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Invariant: before the fork server starts, the first forkserver pool adds our packages to its preload list (kept as
+# the user set it otherwise; a module already in it is not added twice), so a forkserver worker, forked from the
+# server, does not import numpy and this package anew; a server the stdlib or the user started earlier serves as it
+# is (once it runs, the list is not read again).
+#
+# Why: the stdlib's server preloads only the main module (and 3.11-3.13 do not even that: the key they pass is not
+# the one the server reads), so every worker imported numpy and this package anew: 100-250 ms each before its first
+# task. The server imports them at start (an ImportError there is ignored, as for any preload name).
 _PRELOAD = ("mp_reductions", "arraymp")  # this package, and the facade when it is what made the pool
 
 

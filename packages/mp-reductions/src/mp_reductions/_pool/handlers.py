@@ -16,12 +16,16 @@ that dies of anything else breaks the pool (core Note [helper threads]); the wor
 every result (only on worker exits and the core's nudges); the result handler settles deaths and reads the short
 results many to a system call.
 
-Note [resource tracker]: ``Process.start`` under spawn (and forkserver) calls
-``multiprocessing.resource_tracker.getfd()``, which writes a probe to the tracker's pipe (a killed tracker gives
-EPIPE and is relaunched). The worker handler blocks there, as the stdlib's does, while the tracker does not read
-(stopped, or starved on a loaded machine); meanwhile no death is recorded and no worker replaced, but the deaths
-seen before are settled and the live workers go on. A start that fails (a killed forkserver, no descriptors
-left) is retried after a back-off.
+Note [resource tracker]
+~~~~~~~~~~~~~~~~~~~~~~~
+Invariant: a worker start that blocks or fails holds up only the replacement of workers: the deaths seen before are
+settled and the live workers go on, and a start that fails (a killed forkserver, no descriptors left) is retried
+after a back-off.
+
+Why: ``Process.start`` under spawn (and forkserver) calls ``multiprocessing.resource_tracker.getfd()``, which writes
+a probe to the tracker's pipe (a killed tracker gives EPIPE and is relaunched). The worker handler blocks there, as
+the stdlib's does, while the tracker does not read (stopped, or starved on a loaded machine); meanwhile no death is
+recorded and no worker replaced.
 """
 
 from __future__ import annotations
@@ -259,7 +263,7 @@ class ResultHandler:
                 error.__cause__ = self.start_errors.get(pid)
                 self.core.start_failed(error)
         self.start_errors.pop(pid, None)
-        slots.done_with([pid])  # every message it sent is read (_reductions Note [results told])
+        slots.done_with([pid])  # every message it sent is read (_message Note [results told])
         running = slots.lost(k, took)
         result = self.cache.get(running[0]) if running else None
         if result is not None:

@@ -55,8 +55,8 @@ import shm_manager
 
 from .. import _stats
 from .._channel import INLINE, Packet, recv_fds
+from .._message import MAX_FDS
 from .._queues import SimpleQueue
-from .._reductions import MAX_FDS
 from .clock import Clock
 from .wire import BATCH_BYTES, BATCH_MAX, BATCH_TIME, DEPTH, drain, message, message_bytes, queued, queued_bytes
 
@@ -88,7 +88,7 @@ class Slots:
         self.closed = self.stopped = False
         self.broken: BaseException | None = None  # every unfinished and later task fails with it
         self.clock = Clock(processes)  # clock Note [task clock]
-        self.senders: set[int] = set()  # workers started, not yet done with (_reductions Note [results told])
+        self.senders: set[int] = set()  # workers started, not yet done with (_message Note [results told])
 
     def put(self, task) -> None:
         """Pickle ``task`` (job, i, func, args, kwds) and add it to the ready ones (sent at once if a slot has room,
@@ -146,7 +146,7 @@ class Slots:
             buffers = message(items)
             try:  # never blocks: the queue holds DEPTH messages
                 if len(items) == 1:
-                    items[0][1].send(self.queues[k]._writer._sock, kept=True)  # _reductions Note [kept counts]
+                    items[0][1].send(self.queues[k]._writer._sock, kept=True)  # _message Note [kept counts]
                 else:
                     shm_core.send_fds(self.queues[k]._writer._sock, buffers)
                     for _, packet, _ in items:
@@ -326,7 +326,7 @@ class Slots:
 
     def done_with(self, pids) -> None:
         """Every result the workers ``pids`` (dead, or all of them once the pool is joined) sent is read: the
-        counts they told the daemon of and the pool never took go back (_reductions Note [results told])."""
+        counts they told the daemon of and the pool never took go back (_message Note [results told])."""
         pids = [pid for pid in pids if pid in self.senders]
         if pids:
             self.senders.difference_update(pids)

@@ -101,7 +101,7 @@ class Watchdog:
         self.timed.discard(job)
 
     def started(self, w, oom_base) -> None:
-        """Worker ``w`` started, the OOM count having been ``oom_base`` before (Note [deaths explained])."""
+        """Worker ``w`` started, the OOM count having been ``oom_base`` before (_deaths Note [OOM counts])."""
         pid = getattr(w, "pid", None)  # (a Process class of the caller's may have none: the stdlib's suite's)
         if pid is not None:
             counter = self.oom.of(pid)  # its cgroup's: the pool's as a rule

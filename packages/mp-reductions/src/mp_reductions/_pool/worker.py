@@ -10,7 +10,7 @@ What changed from the stdlib's, and why:
   the result, when the watchdog ended the task.
 - Its arrays of 1 MiB or more are born in shared memory and move with no copy when it keeps no reference to
   them (_alloc Note [moving results]); the in-flight counts of its results' named segments are told to the
-  daemon as sent to the parent (_reductions Note [results told]).
+  daemon as sent to the parent (_message Note [results told]).
 - It collects garbage when idle, at most every GC_INTERVAL while busy (so views of shared memory caught in
   cycles do not pin segments), after freezing what it holds once started (``gc.freeze``: a collection looks
   at what tasks made only; none comes before the freeze: a fork child's collection writes to every page it
@@ -22,10 +22,13 @@ What changed from the stdlib's, and why:
 - It exits when the pool's process is gone (it polls the parent's sentinel too: under fork a sibling holds
   every slot's writing end).
 
-Note [group]: workers join the parent's shm_manager group (its token is a worker argument), whatever the start
-method. A worker in a group of its own (a forkserver child, or a fork made before the parent joined a group)
-would leave its named segments to a daemon that unlinks them when the worker exits, while the parent still
-holds the results.
+Note [group]
+~~~~~~~~~~~~
+Invariant: every pool worker is a member of its parent's shm_manager group (its token is a worker argument), whatever
+the start method.
+
+Why: a worker in a group of its own (a forkserver child, or a fork made before the parent joined a group) would leave
+its named segments to a daemon that unlinks them when the worker exits, while the parent still holds the results.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ import shm_manager
 from .. import _stats
 from .._alloc import moves, set_shared_allocation
 from .._channel import Packet, loads, recv_raw
-from .._reductions import init_reductions, tls
+from .._message import tls
+from .._reductions import init_reductions
 from .results import short_repr
 from .wire import RESULT, SHORT_MAX, START_FAILED, STARTED, send, split, unbatch
 
@@ -201,7 +205,7 @@ def _run(body, fds, wrap, catch) -> tuple:
     """One task's result, ``(True, value)`` or ``(False, exception)``: its arguments' unpickling error is the
     task's (an Exception; a BaseException there ends the worker), the call's any ``catch``."""
     try:
-        _, _, func, args, kwds = loads(body, fds, kept=True)  # _reductions Note [kept counts]
+        _, _, func, args, kwds = loads(body, fds, kept=True)  # _message Note [kept counts]
     except Exception as e:
         return False, wrap(e, e.__traceback__)
     body = None
@@ -213,7 +217,7 @@ def _run(body, fds, wrap, catch) -> tuple:
 
 def _send_result(out, short, job, i, seconds: float, result: tuple, reader, wrap, catch) -> None:
     """Send one task's result: on ``short`` framed by wire.RESULT if it is plain and small, else on ``out`` with
-    the head (job, i, seconds); its in-flight counts told as sent to ``reader`` (_reductions Note [results
+    the head (job, i, seconds); its in-flight counts told as sent to ``reader`` (_message Note [results
     told]). A result that cannot be pickled sends its error instead: the pickling error itself (``wrap``, the
     executor's) or the stdlib Pool's MaybeEncodingError."""
     packet = None
