@@ -33,13 +33,16 @@ bytes, and the remedy, and every such array is counted (``fallbacks``, ``fallbac
 the warning comes while the message is pickled, before it is sent: a filter that makes it an error fails the
 ``put`` with nothing sent.
 
-Note [copy hints]: ``hints()`` gives the remedy that fits what was copied. A numpy array (a pandas frame's numeric
-block too) can be made in shared memory beforehand, and then travels as a handle with no copy: its hint says how. A
-protocol-5 buffer of pyarrow's (an Arrow Table's, RecordBatch's or Arrow-backed pandas column's) cannot: pyarrow
-allocates from its own memory pool and nothing of ours builds a Table, so its one copy on send is the least it can
-cost, and what is worth checking is that only the rows meant to go went: a ``Table.slice`` carries its parent's
-whole buffers (docs/payloads.md). So the buffers that are no numpy array's are counted apart (``buffers_copied``,
-``buffer_bytes_copied``, part of ``arrays_copied``), by the sender's ``out_of_band``.
+Note [copy hints]
+~~~~~~~~~~~~~~~~~
+Rule: ``hints()`` gives the remedy that fits what was copied, never one the copied thing cannot take.
+
+A numpy array (a pandas frame's numeric block too) can be made in shared memory beforehand, and then travels as a
+handle with no copy: its hint says how. A protocol-5 buffer of pyarrow's (an Arrow Table's, RecordBatch's or
+Arrow-backed pandas column's) cannot: pyarrow allocates from its own memory pool and nothing of ours builds a Table,
+so its one copy on send is the least it can cost, and what is worth checking is that only the rows meant to go went:
+a ``Table.slice`` carries its parent's whole buffers (docs/payloads.md). So the sender's ``out_of_band`` counts the
+buffers that are no numpy array's apart (``buffers_copied``, ``buffer_bytes_copied``, part of ``arrays_copied``).
 """
 
 from __future__ import annotations
