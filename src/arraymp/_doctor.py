@@ -41,6 +41,18 @@ def _remove_ipc() -> str | None:
     return value
 
 
+def _start_method() -> str:
+    """The start method this process's Python uses, as ``multiprocessing.get_start_method()`` gives it: the one the
+    program set, else the interpreter's default (fork before 3.14, forkserver from 3.14 on Linux), read without
+    fixing it (a later ``set_start_method`` still works)."""
+    method = multiprocessing.get_start_method(allow_none=True)
+    if method is None:
+        method = multiprocessing.get_start_method()  # fixes the default context...
+        multiprocessing.set_start_method(None, force=True)  # ...which this unfixes
+        return f"{method} (this Python's default)"
+    return f"{method} (set by the program)"
+
+
 def _gib(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB"
 
@@ -76,7 +88,7 @@ def report() -> tuple[list[str], list[str]]:
             " (named segments of the 'file_system' strategy are removed when this user's last login session ends; "
             "memfd segments are not: keep the default strategy, or `loginctl enable-linger`)"
             if remove_ipc in ("yes", "true", "1", "on") else ""))
-    lines.append(f"default start method: {multiprocessing.get_start_method(allow_none=True) or 'fork (unset)'}; "
+    lines.append(f"default start method: {_start_method()}; "
                  f"available: {', '.join(multiprocessing.get_all_start_methods())}")
     cuda_lines, cuda_warnings = shm_cuda.doctor_report(extras_of="arraymp")
     return lines + cuda_lines, warnings + cuda_warnings

@@ -1,5 +1,5 @@
-"""A LocalCluster per test module (loopback, no dashboard, scratch in a temp dir), segments in a private
-directory, and the leak check: no arraymp segment left there after each test."""
+"""A LocalCluster per test module (loopback, its HTTP server on a free port, scratch in a temp dir), segments in a
+private directory, and the leak check: no arraymp segment left there after each test."""
 
 from __future__ import annotations
 
@@ -7,9 +7,15 @@ import os
 import shutil
 import signal
 import tempfile
+import warnings
 
 import dask
 import pytest
+
+# A fork child warns as the program it is would (as spawn and forkserver children do), not by this run's "error"
+# filter, which is for this process (issue 44): its warnings go to its stderr, captured, as before.
+os.register_at_fork(after_in_child=lambda: warnings.filters.__setitem__(
+    slice(None), [f for f in warnings.filters if f[:4] != ("error", None, Warning, None)]))
 
 # before anything starts a process: workers and spawn children inherit these
 SHM_DIR = tempfile.mkdtemp(prefix="arraymp-dask-test-", dir="/dev/shm")
@@ -30,7 +36,9 @@ _recycle.IDLE = float(os.environ["ARRAYMP_RECYCLE_IDLE"])
 # each task runs where its argument was scattered: no stolen task moves an argument between workers, so the
 # handle counts are exact (the LocalCluster's scheduler runs in this process and reads this)
 dask.config.set({"distributed.scheduler.work-stealing": False})
-CLUSTER = {"n_workers": 2, "host": "127.0.0.1", "dashboard_address": None}
+# (the scheduler's HTTP server binds a port whatever dashboard_address says, 8787 for None, and warns when another
+# cluster has it; port 0 takes a free one)
+CLUSTER = {"n_workers": 2, "host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"}
 
 
 def segments() -> set[str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import multiprocessing
 import os
 import subprocess
@@ -30,7 +29,8 @@ class SpawnContext:
         return mp_reductions.Pool(processes, initializer, initargs, context=self.ctx)
 
     def ProcessPoolExecutor(self, max_workers=None, initializer=None, initargs=()):
-        return concurrent.futures.ProcessPoolExecutor(max_workers, self.ctx, initializer, initargs)
+        # (mp_reductions': the stdlib's would send the arrays inside its pickles, SharingStoppedWarning said)
+        return mp_reductions.ProcessPoolExecutor(max_workers, self.ctx, initializer, initargs)
 
 
 def body(ctx) -> dict:

@@ -109,10 +109,12 @@ class DeathsSuite:
                 pool.apply_async(T.nap, (0,), timeout=-2)
             assert pool.apply(T.nap, (0,)) == 0
 
-    def test_a_segfault_is_named(self, ctx):
+    def test_a_segfault_is_named(self, ctx, capfd):
         with mpr.Pool(2, context=ctx) as pool:
             with pytest.raises(mpr.WorkerLostError) as info:
                 pool.apply_async(T.crash, (T.HANG,)).get(TIMEOUT)
+            if self.method == "fork":  # the report of the faulthandler it inherited: captured here, not printed
+                assert "Fatal Python error: Segmentation fault" in capfd.readouterr().err
             err = info.value
             assert err.signal_name == "SIGSEGV" and err.oom is None and err.task == "crash"
             assert f"worker {err.pid} died with signal SIGSEGV while running task 0 of apply (crash): a crash in " \

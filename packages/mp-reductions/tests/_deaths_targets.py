@@ -1,6 +1,7 @@
 """Functions run in pool workers for the timeout and death tests (importable under spawn and forkserver)."""
 
 import ctypes
+import faulthandler
 import os
 import time
 
@@ -31,6 +32,11 @@ def nap(seconds):
 
 def crash(x):
     if x == HANG:
+        # The fault's report (faulthandler's "Fatal Python error: Segmentation fault" and stack, where it is on) goes
+        # to this worker's stderr, which the test captures: a fork worker inherits pytest's faulthandler, which
+        # writes to the terminal pytest started on (issue 44).
+        if faulthandler.is_enabled():
+            faulthandler.enable(file=2)
         ctypes.string_at(0)  # reads address 0: SIGSEGV
     return x
 

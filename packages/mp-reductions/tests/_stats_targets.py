@@ -10,7 +10,7 @@ BIG = 1 << 17  # float64s: 1 MiB, copied once into shared memory
 # what sending the sequence counts in the sender (segments: the shared array's and the copies', made or reused)
 SENT = {"messages_sent": 6, "handles_sent": 1, "arrays_copied": 2, "bytes_copied": 2 * 8 * BIG,
         "arrays_inline": 3, "bytes_inline": 3 * 8 * SMALL, "fallbacks": 0, "fallback_bytes": 0,
-        "worker_deaths": 0, "task_timeouts": 0}
+        "worker_deaths": 0, "task_timeouts": 0, "buffers_copied": 0, "buffer_bytes_copied": 0}
 
 
 def send_sequence(q) -> np.ndarray:

@@ -371,3 +371,33 @@ def test_worker_deaths_and_task_timeouts_are_counted(method):
         assert pool.apply(T.square, (3,)) == 9
     pool.join()
     assert (s.worker_deaths, s.task_timeouts) == (1, 1)
+
+
+def test_hints_fit_what_was_copied():
+    """Copied numpy arrays are told to be made shared; copied Arrow buffers, which cannot be, are told the slice
+    that carries its parent (Note [copy hints]; issue 44: Arrow users were told to use empty_shared)."""
+    pa = pytest.importorskip("pyarrow")
+    q = mpr.SimpleQueue()
+    table = pa.table({"x": np.arange(2 << 20, dtype="f8")})  # 16 MiB
+    with mpr.stats() as s:
+        for i in range(5):
+            q.put(table.slice(i, 10))  # 10 rows, each with the whole 16 MiB buffer
+            assert q.get().num_rows == 10
+    assert (s.buffers_copied, s.buffer_bytes_copied) == (5, 5 * table.nbytes)
+    assert (s.arrays_copied, s.bytes_copied) == (5, 5 * table.nbytes)  # buffers are of arrays_copied
+    (hint,) = s.hints()
+    assert "Arrow buffers" in hint and "Table.slice" in hint and "empty_shared" not in hint, hint
+    assert "of which Arrow (pyarrow) buffers" in str(s)
+    with mpr.stats() as s:
+        part = table.slice(0, 10)
+        q.put(part.take(np.arange(part.num_rows)))  # the hint's remedy: its rows alone, inline
+        assert q.get().num_rows == 10
+    assert (s.buffers_copied, s.bytes_copied, s.hints()) == (0, 0, [])
+    with mpr.stats() as s:
+        for _ in range(5):
+            q.put(np.ones(2 << 20))
+            q.get()
+    assert (s.arrays_copied, s.buffers_copied) == (5, 0)
+    (hint,) = s.hints()
+    assert "empty_shared" in hint and "Arrow" not in hint, hint
+    q.close()

@@ -88,6 +88,7 @@ class Outgoing:
     # pickled again (CopyMiss, shared memory full) is counted once, as sent
     arrays = n_handles = arrays_copied = bytes_copied = arrays_inline = bytes_inline = 0
     fallbacks = fallback_bytes = 0
+    buffers_copied = buffer_bytes_copied = 0  # of arrays_copied, those of buffers that are no numpy array's
 
     def __init__(self, pooled: bool = True, copy_inline: bool = False, moves: frozenset = frozenset(),
                  inputs: dict | None = None):
@@ -202,9 +203,10 @@ class Outgoing:
         """The pickler's ``buffer_callback``: False (out of band, into the message's spill) for a contiguous
         buffer of at least the inline threshold, True (in the pickle) for any other."""
         try:
-            n = buf.raw().nbytes
+            raw = buf.raw()
         except BufferError:  # not contiguous: in band, where pickle raises as the stdlib's does
             return True
+        n = raw.nbytes
         if n < get_inline_threshold():
             return True
         if self.copy_inline:  # meant for shared memory, which is full (_stats Note [sharing stopped])
@@ -215,6 +217,9 @@ class Outgoing:
         self.arrays += 1
         self.arrays_copied += 1
         self.bytes_copied += n
+        if not isinstance(raw.obj, np.ndarray):  # (_stats Note [copy hints])
+            self.buffers_copied += 1
+            self.buffer_bytes_copied += n
         if not self.buffers:
             self.buffers = []
         self.buffers.append(buf)

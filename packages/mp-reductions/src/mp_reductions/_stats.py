@@ -32,6 +32,17 @@ raises a ``SharingStoppedWarning`` (once per process: a fork child warns again) 
 bytes, and the remedy, and every such array is counted (``fallbacks``, ``fallback_bytes``). On our channels
 the warning comes while the message is pickled, before it is sent: a filter that makes it an error fails the
 ``put`` with nothing sent.
+
+Note [copy hints]
+~~~~~~~~~~~~~~~~~
+Rule: ``hints()`` gives the remedy that fits what was copied, never one the copied thing cannot take.
+
+A numpy array (a pandas frame's numeric block too) can be made in shared memory beforehand, and then travels as a
+handle with no copy: its hint says how. A protocol-5 buffer of pyarrow's (an Arrow Table's, RecordBatch's or
+Arrow-backed pandas column's) cannot: pyarrow allocates from its own memory pool and nothing of ours builds a Table,
+so its one copy on send is the least it can cost, and what is worth checking is that only the rows meant to go went:
+a ``Table.slice`` carries its parent's whole buffers (docs/payloads.md). So the sender's ``out_of_band`` counts the
+buffers that are no numpy array's apart (``buffers_copied``, ``buffer_bytes_copied``, part of ``arrays_copied``).
 """
 
 from __future__ import annotations
@@ -62,9 +73,12 @@ FIELDS = (
     "segments_reused",  # pooled segments it took again instead of making one (_recycle Note [recycling])
     "worker_deaths",  # Pool workers of this process's pools that died running a task (not ended for a timeout)
     "task_timeouts",  # Pool tasks that ran past their time limit (their workers ended)
+    "buffers_copied",  # of arrays_copied, the protocol-5 buffers that are no numpy array's (pyarrow's)
+    "buffer_bytes_copied",  # their bytes
 )
 (MESSAGES_SENT, MESSAGES_RECEIVED, HANDLES_SENT, ARRAYS_COPIED, BYTES_COPIED, ARRAYS_INLINE, BYTES_INLINE,
- FALLBACKS, FALLBACK_BYTES, SEGMENTS_MADE, SEGMENTS_REUSED, WORKER_DEATHS, TASK_TIMEOUTS) = range(len(FIELDS))
+ FALLBACKS, FALLBACK_BYTES, SEGMENTS_MADE, SEGMENTS_REUSED, WORKER_DEATHS, TASK_TIMEOUTS, BUFFERS_COPIED,
+ BUFFER_BYTES_COPIED) = range(len(FIELDS))
 #: read from the kernel when asked (Note [stats]): they are values now, not counts since a start
 GAUGES = ("segments_live", "descriptors_held")
 _INDEX = {name: i for i, name in enumerate(FIELDS)}
@@ -329,6 +343,7 @@ class Stats:
             ("messages received", f"{d['messages_received']:,}", ""),
             ("arrays sent as handles", f"{d['handles_sent']:,}", "no copy: already in shared memory"),
             ("arrays copied into shared memory", f"{d['arrays_copied']:,}", _human(d["bytes_copied"])),
+            ("  of which Arrow (pyarrow) buffers", f"{d['buffers_copied']:,}", _human(d["buffer_bytes_copied"])),
             ("arrays sent inline (pickled)", f"{d['arrays_inline']:,}", _human(d["bytes_inline"])),
             ("  of which sharing stopped", f"{d['fallbacks']:,}", _human(d["fallback_bytes"])),
             ("segments made", f"{d['segments_made']:,}", ""),
@@ -353,10 +368,21 @@ class Stats:
             where = f" (first at {self.where})" if self.where else ""
             out.append(f"! {d['fallbacks']:,} array(s), {_human(d['fallback_bytes'])}, went pickled through the "
                        f"socket instead of shared memory{where}: see the SharingStoppedWarning for the remedy")
-        if d["arrays_copied"] and d["bytes_copied"] >= 64 << 20 and d["bytes_copied"] > 4 * d["handles_sent"]:
-            out.append(f"~ your arrays are being copied, not shared: {_human(d['bytes_copied'])} copied into "
-                       "shared memory to be sent; arrays made by arraymp.empty_shared / zeros_shared / "
-                       "share_memory, or inside arraymp.shared_allocation(), travel as handles with no copy")
+        # (Note [copy hints])
+        arrays = d["arrays_copied"] - d["buffers_copied"]
+        array_bytes = d["bytes_copied"] - d["buffer_bytes_copied"]
+        if arrays and array_bytes >= 64 << 20:
+            out.append(f"~ your arrays are being copied, not shared: {_human(array_bytes)} of numpy arrays copied "
+                       "into shared memory to be sent; arrays made by arraymp.empty_shared / zeros_shared / "
+                       "share_memory, or inside arraymp.shared_allocation() (pandas frames built there too), "
+                       "travel as handles with no copy")
+        if d["buffers_copied"] and d["buffer_bytes_copied"] >= 64 << 20:
+            out.append(f"~ {_human(d['buffer_bytes_copied'])} of Arrow buffers (pyarrow Tables, RecordBatches, "
+                       "Arrow-backed pandas columns) copied once into shared memory to be sent, read in place by "
+                       "the receiver: that copy is the least for Arrow data, which cannot be made in shared memory "
+                       "beforehand. If it is more than the rows you sent, you sent slices: a Table.slice or "
+                       "RecordBatch.slice carries its parent's whole buffers; "
+                       "part.take(numpy.arange(part.num_rows)) sends its rows alone")
         return out
 
 
@@ -390,6 +416,8 @@ def commit(out) -> None:
     c[BYTES_INLINE] += out.bytes_inline
     c[FALLBACKS] += out.fallbacks
     c[FALLBACK_BYTES] += out.fallback_bytes
+    c[BUFFERS_COPIED] += out.buffers_copied
+    c[BUFFER_BYTES_COPIED] += out.buffer_bytes_copied
 
 
 def sharing_stopped(arrays: int, nbytes: int, reason: str) -> None:
