@@ -304,10 +304,8 @@ def rebuild_ndarray(ref, size, offset, shape, strides, dtype, readonly, block=No
 # rebuilding its own copy from it (``rebuild_own_copy``). An entry holds its array weakly (an id is the array's only
 # while it lives: a new array with the same id is a new entry); the table goes when the call's result is complete
 # (its _Cache entry goes), and the shared copy's segment goes back to the recycling pool once the last task's view is
-# gone. Only map-like calls have a table (an apply sends one task, and ``submit`` in a loop is not one call); the
-# executor's ``map`` submits a call per chunk, and its calls share one table, found by their chunk function (one
-# ``process_chunk`` partial per map: executor._Call), which goes with the map. ``stats()`` counts the shared copy
-# once, as it is made; each message then names it as a handle.
+# gone. Only map-like calls have a table; the executor's ``map`` (a call per chunk) shares one among its calls, found
+# by their chunk function (executor._Call). ``stats()`` counts the shared copy once, as it is made.
 #
 # Not covered: a caller who changes the array while the call runs: the stdlib's tasks pickled later see the change,
 # ours after the first two do not.

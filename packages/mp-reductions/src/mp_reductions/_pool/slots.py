@@ -12,12 +12,10 @@ total size (SIOCINQ) says how many. When the worker handler reaps worker k (dead
 it reads that total under the lock, before the replacement (the only other reader) starts: the taken messages are
 recorded, the queued ones left to the replacement. The result handler settles the record once it has read every
 message queued on the short socket and the outqueue (the dead worker's are all there by then): the first recorded
-task still unfinished (its result did not come) fails with WorkerLostError (or TaskTimeoutError: watchdog Note
-[task timeouts]), the others are ready again, first in line. A message not taken yet is moved, unchanged, to a
-slot left with nothing to do when no task is ready (told by its bytes: its worker may have taken it meanwhile; a
-receive that finds nothing moves nothing), whether its worker runs another or has taken none yet: a worker still
-starting (or one that takes its first message just after the move was decided, and runs long) would otherwise hold
-the others, while the idle slot waits for a result that would move them later, and none may come. Stop sentinels
+task still unfinished fails with WorkerLostError (or TaskTimeoutError: watchdog Note [task timeouts]), the others
+are ready again, first in line. A message not taken yet is moved, unchanged, to a slot left with nothing to do
+when no task is ready (told by its bytes; a receive that finds nothing moves nothing), whether its worker runs
+another or has taken none yet (one still starting would otherwise hold it while the idle slot waits). Stop sentinels
 go to the slots only once no task is unfinished (close) or at terminate, where the messages left in the slots are
 drained (each unpickled, so that the shared memory it names is given back).
 
