@@ -249,7 +249,7 @@ def test_workers_are_kept_for_an_equal_initializer_and_replaced_for_another():
 def test_the_context_option_chooses_the_start_method():
     with parallel_config("arraymp", n_jobs=2, context=multiprocessing.get_context("spawn")):
         assert Parallel()(delayed(square)(i) for i in range(4)) == [0, 1, 4, 9]
-        assert arraymp.joblib._CURRENT.pool._ctx.get_start_method() == "spawn"
+        assert arraymp._joblibpool._CURRENT.pool._ctx.get_start_method() == "spawn"
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -320,7 +320,7 @@ def test_workers_limit_blas_threads_to_their_share(inner):
 def test_start_method_is_chosen(method):
     with parallel_config("arraymp", n_jobs=2, start_method=method):
         assert Parallel()(delayed(square)(i) for i in range(8)) == [i * i for i in range(8)]
-        assert arraymp.joblib._CURRENT.pool._ctx.get_start_method() == method
+        assert arraymp._joblibpool._CURRENT.pool._ctx.get_start_method() == method
 
 
 # ------------------------------------------------------------------ arrays
@@ -556,10 +556,10 @@ def test_generator_unordered_sends_each_batch_alone():
     # slow one must hold none behind it when results are wanted as they finish
     for _ in range(5):  # short tasks measured: the pool batches now (a loaded machine may make them read long)
         assert len(Parallel(n_jobs=2, backend="arraymp", batch_size=1)(delayed(square)(i) for i in range(2000))) == 2000
-        if arraymp.joblib._CURRENT.pool._core.slots.n > 1:
+        if arraymp._joblibpool._CURRENT.pool._core.slots.n > 1:
             break
     else:
-        pytest.skip(f"the pool measured short tasks as {arraymp.joblib._CURRENT.pool._core.slots.per_task} s each")
+        pytest.skip(f"the pool measured short tasks as {arraymp._joblibpool._CURRENT.pool._core.slots.per_task} s each")
     g = Parallel(n_jobs=2, backend="arraymp", return_as="generator_unordered", pre_dispatch="all", batch_size=1)(
         delayed(_sleep_id)(20.0 if i == 150 else 0.0, i) for i in range(300))  # (150: sent with others ready)
     t0 = time.monotonic()
