@@ -16,18 +16,10 @@ MENTION = re.compile(r"\bNote[\s#]+\[([^\]\[]+)\]")  # the name maybe broken ove
 #     Note [name]
 #     ~~~~~~~~~~~
 #     Invariant: <what holds, stated so that a test could check it>. <then why, and how the code keeps it>
-# "Rule: <the rule it sets>" instead where the Note states no invariant (a rationale, a measured trade-off). Aim
-# under 250 words; past MAX_WORDS, cut repetition and history or split it into two Notes.
+# "Rule: <the rule it sets>" instead where the Note states no invariant (a rationale, a measured trade-off). At most
+# MAX_WORDS words: past it, cut repetition and history or split it into two Notes.
 HEADING = re.compile(r"^Note \[([^\]\n]+)\](\n~+\n|: )", re.M)  # as mkdocs_hooks._DEFINITION, the separator kept
-MAX_WORDS = 300
-# Notes in modules other engineers were changing when the format came (issue 41), not converted yet. This list only
-# shrinks: the test fails on a Note here that is in the format (take it off), or that no module defines.
-UNCONVERTED = {
-    "kept counts", "results told",  # mp-reductions _message.py
-    "stats", "sharing stopped",  # mp-reductions _stats.py
-    "Dask deaths explained", "Script namespaces", "Lost workers",  # mp-dask
-    "Dask task timeouts",  # mp-dask
-}
+MAX_WORDS = 250
 
 spec = importlib.util.spec_from_file_location("mkdocs_hooks", ROOT / "mkdocs_hooks.py")
 hooks = importlib.util.module_from_spec(spec)
@@ -86,10 +78,5 @@ def format_faults():
 
 
 def test_note_format():
-    faults = format_faults()
-    names = {n.name for n in hooks.gather_notes()}
-    assert UNCONVERTED <= names, f"UNCONVERTED names Notes no module defines: {sorted(UNCONVERTED - names)}"
-    wrong = [fault for name, fault in sorted(faults.items()) if name not in UNCONVERTED]
+    wrong = [fault for _, fault in sorted(format_faults().items())]
     assert not wrong, "Notes not in the one format (see HEADING):\n" + "\n".join(wrong)
-    converted = UNCONVERTED - faults.keys()
-    assert not converted, f"in the one format now: take {sorted(converted)} off UNCONVERTED"

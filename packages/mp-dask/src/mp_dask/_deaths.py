@@ -2,30 +2,24 @@
 
 Note [Dask deaths explained]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The pool's own workers are its children: it reads their exit codes, their
-memory cgroup's OOM-kill counter and their resident size itself
-(mp_reductions' Note [deaths explained]). A Dask worker is its nanny's child,
-on any machine of the cluster, so the nanny tells: each context's client registers
-the nanny plugin ``ExitsTold`` under one name, idempotent (the first registration
-stays: a plugin set up twice on a nanny would wrap its callback twice and tell
-each death twice, the second from a torn-down plugin's stale sample; a nanny
-started later gets it from the scheduler). On each nanny it samples its worker's pid, address, resident size
-and OOM-kill counter every ``RSS_INTERVAL`` seconds (the counter's baseline when
-it first sees a pid), and when the worker process ends it logs an event on the
-topic ``TOPIC`` with the address, pid, exit code, whether the OOM killer did it
-(mp_reductions' ``OomCounter.claim``: each count explains one death) and the
-last sample. The exit reaches the plugin through the nanny's exit callback
-(``Nanny._on_worker_exit_sync``, and the running ``WorkerProcess.on_exit``):
-distributed's, not public, so a distributed without them gets no plugin and
-every death reads as before ("died": how, not known), which a test on the
-installed distributed checks. A pool whose task is lost past Dask's retries
-(Note [Lost workers]) reads the events of the address the scheduler says lost
-it (``told``: waited for up to ``WAIT`` seconds, once per worker, since every
-task that death fails asks) and puts the last exit of that worker in its
-``DaskWorkerLostError``: the signal or exit code, the OOM killer or not, the
-memory. A worker that died before the plugin's first sample of it (within
-``RSS_INTERVAL`` of its start) is not told, nor are the workers of a cluster
-without nannies: their errors say that their nanny did not tell how.
+Invariant: the ``DaskWorkerLostError`` of a worker whose nanny runs ``ExitsTold`` and sampled it says how it last ended
+(signal or exit code, OOM killer or not, memory), each death told once; any other says that its nanny did not tell how.
+
+Why: a Dask worker is its nanny's child, perhaps on another machine: the pool cannot read its exit code, memory cgroup's
+OOM-kill counter and resident size as for its own workers (mp_reductions' Note [deaths explained]).
+
+How: each client registers the nanny plugin ``ExitsTold`` under one name, idempotent (a second would wrap a nanny's
+callback again, telling each death twice; a nanny started later gets it from the scheduler). It samples its worker's
+pid, address, resident size and OOM-kill counter every ``RSS_INTERVAL`` seconds (the counter's baseline when it first
+sees a pid), and when the worker process ends logs an event on ``TOPIC``: address, pid, exit code, whether the OOM
+killer did it (``OomCounter.claim``: each count explains one death) and the last sample. A task lost past Dask's retries
+(Note [Lost workers]) has its pool read the events of the address that lost it (``told``: waiting up to ``WAIT``
+seconds, once per worker).
+
+Not covered: the exit reaches the plugin through distributed's private exit callbacks (``Nanny._on_worker_exit_sync``,
+``WorkerProcess.on_exit``): a distributed without them gets no plugin, and every death reads "died", how not known
+(tested on the installed distributed). Untold too: a worker dead before its first sample (within ``RSS_INTERVAL`` of its
+start), and one without a nanny.
 """
 
 from __future__ import annotations

@@ -2,33 +2,27 @@
 
 Note [Script namespaces]
 ~~~~~~~~~~~~~~~~~~~~~~~~
-cloudpickle sends a function of ``__main__`` by value (a worker cannot import
-the script), rebuilt over a fresh dict holding the globals it names, one dict
-per pickle. The stdlib's workers import the script as a module instead, so an
-initializer's ``global X; X = ...`` is seen by the tasks after it. Sent as
-cloudpickle sends them, the initializer (pickled once, in a worker plugin) and
-each task's function (pickled with its arguments) had dicts of their own: the
-task read the script's value of X, or got NameError. So a Pool or executor
-sends the script's functions (and those of its classes, lambdas, partials:
-whatever the initializer, the task function or the arguments hold) bound to a
-namespace named by the pool, one per worker, made on first use::
+Invariant: on a Dask worker, the functions of the script (``__main__``) that a pool's initializer, tasks or arguments
+hold run over one globals namespace per pool and worker: a global the initializer sets is seen by that pool's tasks and
+no other pool's, as on the stdlib's workers.
+
+Why: cloudpickle sends a function of ``__main__`` by value (a worker cannot import the script), rebuilt over a fresh
+dict of the globals it names per pickle: the initializer (pickled once, in a worker plugin) and each task's function had
+dicts of their own, so after an initializer's ``global X; X = ...`` a task read the script's X, or got NameError (the
+stdlib's workers import the script as a module).
+
+How: a Pool or executor binds the script's functions (its classes', lambdas, partials too) to a namespace the pool
+names, made on first use::
 
     client: pickle initializer / (func, payload)     worker: one dict per pool
         function of __main__ ──────────────────────▶ FunctionType(code, namespace(pool), ...)
         the globals it names (the script's values) ─▶ namespace.setdefault(name, value)
 
-A name the namespace has already keeps its value: the worker's own state (what
-the initializer or an earlier task set) wins over the script's, as in a module
-a worker imported once: a global the script rebinds after the pool started is
-not seen (pass it as an argument, or start a new pool). Pools are apart as the
-stdlib's (each has its own processes): an initializer of one pool sets
-nothing that another's tasks see. The namespace goes when the pool closes (the
-initializer's plugin is removed, or ``drop`` runs on every worker). Functions
-of importable modules travel by reference and use their module's globals, as
-on the stdlib's workers.
-
-This uses two private names of cloudpickle (``Pickler._dynamic_function_reduce``
-and ``_function_setstate``); the tests run a script's initializer and tasks.
+A name the namespace has keeps its value (the worker's own state wins, as in a module imported once): a global the
+script rebinds after the pool started is not seen (pass it as an argument). The namespace goes when the pool closes (its
+initializer's plugin is removed, or ``drop`` runs on every worker). Functions of importable modules travel by reference.
+It uses two private names of cloudpickle (``Pickler._dynamic_function_reduce``, ``_function_setstate``); the tests run a
+script's initializer and tasks.
 """
 
 from __future__ import annotations

@@ -15,25 +15,22 @@ sets are the ones the pool's tasks see.
 
 Note [Lost workers]
 ~~~~~~~~~~~~~~~~~~~
-A scattered argument lives on the worker it was sent to, and nowhere else: a
-worker that dies (SIGKILL, the out-of-memory killer) takes with it the
-arguments of every task of ours placed there, running or waiting, and Dask
-cancels those tasks ("already forgotten": scattered data cannot be
-recomputed). So the pool keeps each task's payload until the task ends, and a
-task lost that way (cancelled without our asking, or failed with Dask's
-``KilledWorker``) is sent again, argument and all, to the workers there are
-(the nanny restarts the dead one), as Dask retries the tasks of a dead worker:
-up to ``distributed.scheduler.allowed-failures`` times (3) per task; one lost
-once more finishes with ``DaskWorkerLostError`` (an ``mp_reductions.
-WorkerLostError``, as the local Pool raises) naming the worker, its pid when
-the scheduler told it, the task and its call. The copies of a lost argument
-leave this process's recycling pool at once (``mp_reductions.copies_lost``):
-the dead worker's view of them never comes back,
-so the pool would keep each as busy for ``BUSY_IDLES * IDLE`` seconds after it
-was sent (mp_reductions' Note [recycling]). The error says how that worker
-ended when its nanny told (Note [Dask deaths explained] in _deaths.py). A task
-past its time limit ends its worker on purpose and is not sent again (Note
-[Dask task timeouts] in _timeouts.py).
+Invariant: a task whose worker dies (SIGKILL, the out-of-memory killer) is sent again, argument and all, up to
+``distributed.scheduler.allowed-failures`` times (3), as Dask retries a dead worker's tasks; one lost once more finishes
+with ``DaskWorkerLostError`` (an ``mp_reductions.WorkerLostError``, as the local Pool raises) naming the worker, its pid
+when the scheduler told it, the task and its call.
+
+Why: a scattered argument lives on the worker it was sent to, and nowhere else: a worker that dies takes with it the
+arguments of every task of ours placed there, running or waiting, and Dask cancels those tasks ("already forgotten":
+scattered data cannot be recomputed).
+
+How: the pool keeps each task's payload until the task ends, and sends a task lost that way (cancelled without our
+asking, or failed with Dask's ``KilledWorker``) again to the workers there are (the nanny restarts the dead one). The
+copies of a lost argument leave this process's recycling pool at once (``mp_reductions.copies_lost``): the dead worker's
+view of them never comes back, so the pool would keep each busy for ``BUSY_IDLES * IDLE`` seconds after it was sent
+(mp_reductions' Note [recycling]). The error says how that worker ended when its nanny told (Note [Dask deaths
+explained] in _deaths.py). A task past its time limit ends its worker on purpose and is not sent again (Note [Dask task
+timeouts] in _timeouts.py).
 """
 
 from __future__ import annotations

@@ -2,26 +2,21 @@
 
 Note [Dask task timeouts]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
-A task of a pool with ``task_timeout`` (or of a call with its own limit:
-``apply_async(timeout=)``, ``submit(task_timeout=)``) carries its limit and a
-token of its own (one per sending: a task sent again gets a new one). ``run``
-starts the clock as the task starts on the worker (a task waiting for a worker
-thread uses none of it) and stops it as it ends. A watchdog thread of the
-worker process, started with its first limited task, sleeps until the nearest
-deadline of the tasks running (woken as one starts), and while none runs until
-one does; a task past its limit has the worker log an event on
-``TOPIC`` with the tokens of every task past its limit, and, ``FLUSH`` seconds
-later (the event reaches the scheduler first), end its own process: SIGTERM,
-then SIGKILL ``GRACE`` seconds later (a thread cannot be stopped; the process
-can, as the local pool ends a worker). The nanny starts a new worker. From
-there it is a lost worker (Note [Lost workers]): every task that ran on it or
-held an argument there is lost, and the pool, before it sends a lost task
-again, looks for its token in the events (``timed_out``): one found fails the
-task with ``TaskTimeoutError``; the others go again, each loss counted toward
-Dask's allowed failures. So with several threads per worker, a task timed out
-costs the tasks running beside it their progress (the local pool's worker runs
-one task, and loses only it). A cluster without nannies does not replace the
-ended worker; the pool goes on with the others.
+Invariant: a task run past its time limit (a pool's ``task_timeout``, or a call's own: ``apply_async(timeout=)``,
+``submit(task_timeout=)``) fails with ``TaskTimeoutError`` and is not sent again; its worker process ends, and the other
+tasks lost with it go again as a lost worker's (Note [Lost workers]).
+
+How: each such task carries its limit and a token of its own (a task sent again gets a new one). ``run`` starts the
+clock as the task starts on the worker (waiting for a worker thread uses none of it) and stops it as it ends. A watchdog
+thread, started with the worker process's first limited task, sleeps until the nearest deadline of those running (woken
+as one starts). Past a limit, the worker logs an event on ``TOPIC`` with the tokens of every task past its limit and,
+``FLUSH`` seconds later (the event reaches the scheduler first), ends its own process: SIGTERM, then SIGKILL ``GRACE``
+seconds later (a thread cannot be stopped; a process can, as the local pool ends a worker). The nanny starts a new
+worker. Before sending a lost task again, the pool looks for its token in the events (``timed_out``): found, the task
+fails with ``TaskTimeoutError``; the others go again, each loss counted toward Dask's allowed failures.
+
+Not covered: with several threads per worker, a task timed out costs those running beside it their progress (a local
+pool's worker loses only its own). Without a nanny, the ended worker is not replaced; the pool goes on with the others.
 """
 
 from __future__ import annotations

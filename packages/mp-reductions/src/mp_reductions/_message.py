@@ -2,47 +2,43 @@
 copies it makes, the in-flight counts it takes or takes over (``Outgoing``, ``Incoming``), and the thread's context
 that the reductions (_reductions) find them in; our channels (_pickling, _channel) set it around each message.
 
-Note [kept counts]: a message naming a named segment carries one count of the
-segment's header refcount (_shared Note [named segments]), which its receiver
-takes over. A receiver that dies before it unpickles the message (a Pool
-worker killed as it took its task) never takes it, and the count stayed until
-the group ended. So a Pool's tasks are sent *kept* (``Packet.send(kept=True)``):
-the parent keeps each message's counts (``Outgoing.held``) and its worker, which
-unpickles with ``loads(kept=True)``, takes a count of its own when it first maps
-the segment (``attach_named(counted=False)``), held through the daemon as any.
-mp-dask sends its tasks' arguments the same way over Dask's comms
-(``keep_counts`` around the pickling, ``counts_kept`` around the unpickling,
-``give_back_counts`` when the task is done with or lost with its worker).
-The parent gives its counts back (``Packet.settle``, unlinking at zero) once the
-message is done with: every result of it read (its worker mapped what it names
-before it ran), or its loss settled (the worker is dead: it held nothing, or
-the daemon gave back what it held), or, at terminate, when the workers are gone.
-So a count is up while the message can still be unpickled: in a socket, moved
-unchanged to another slot (_pool Note [lost tasks]), or being unpickled; no
-window reads zero, and none outlives it. Results (worker to parent) carry
-their counts (the parent outlives its workers), told to the daemon: see Note
-[results told].
+Note [kept counts]
+~~~~~~~~~~~~~~~~~~
+Invariant: a Pool task's message naming a named segment holds one count of its header refcount (_shared Note [named
+segments]) while it can still be unpickled (in a socket, moved unchanged to another slot: _pool Note [lost tasks], or
+being unpickled), and that count goes back exactly once after, even if its worker is killed before unpickling it.
 
-Note [results told]: a Pool worker killed between its result's in-flight
-count and its send left the count up until the group ended (a few segments
-per run of kills). Its results are pickled with ``tls.to`` set to the pool's
-process, and each in-flight count of a named segment is added by
-``shm_manager.send_to``, which tells the daemon of it in the same call (``T``,
-in the daemon's socket before the message goes); the handle names the sender,
-``("n", name, dir, sender pid)``, and the reader takes the count over with
-``take_from`` (``A``), or, mapping the segment already, gives it back itself
-and says so (``drop_from``). A message not sent gives its counts back through
-the daemon (``take_back``). The pool says ``done_with(pid)`` once it has read
-all a dead worker sent (_pool Note [lost tasks]), and the daemon gives back
-what that worker told and the pool never took (shm_manager Note [Counts sent
-to a reader]). mp-dask's workers pickle their results for Dask's comms under
-``tell_counts(reader)`` the same way, and its pools say ``done_with`` for the
-workers they saw die. Left: a worker killed in the microseconds between its count
-and that ``send``. Where no daemon can be told, the count is added as for any
-message; a copy segment's handle names its sender before that is known, and
-the reader's take of an untold count is a hold the daemon never gives back
-twice.
+Why: a receiver takes over the counts of the message it unpickles; one that dies first (a worker killed as it took its
+task) never does, and the count stayed up until the group ended.
 
+How: a Pool's tasks are sent *kept* (``Packet.send(kept=True)``): the parent keeps each message's counts
+(``Outgoing.held``); its worker, unpickling with ``loads(kept=True)``, takes a count of its own when it first maps the
+segment (``attach_named(counted=False)``), held through the daemon as any. The parent gives its counts back
+(``Packet.settle``, unlinking at zero) once the message is done with: every result of it read (its worker mapped what it
+names before it ran), its loss settled (the worker is dead: it held nothing, or the daemon gave back what it held), or,
+at terminate, the workers gone. mp-dask sends its tasks' arguments the same way over Dask's comms (``keep_counts``
+around the pickling, ``counts_kept`` around the unpickling, ``give_back_counts`` when the task is done with or lost with
+its worker). Results (worker to parent) carry their counts instead (the parent outlives its workers), told to the
+daemon: Note [results told].
+
+Note [results told]
+~~~~~~~~~~~~~~~~~~~
+Invariant: the daemon is told of each in-flight count of a named segment in a Pool worker's result before the result is
+sent, so each goes back exactly once: taken over by the reader, or by the daemon once the pool is done with that worker.
+
+Why: a worker killed between a result's count and its send left the count up until the group ended.
+
+How: a worker pickles its results with ``tls.to`` set to the pool's process; ``shm_manager.send_to`` adds each count and
+tells the daemon at once (``T``, before the message goes); the handle names the sender,
+``("n", name, dir, sender pid)``. The reader takes the count over (``take_from``: ``A``) or, mapping the segment
+already, gives it back and says so (``drop_from``); a message not sent gives its counts back through the daemon
+(``take_back``). Once the pool has read all a dead worker sent (_pool Note [lost tasks]) it says ``done_with(pid)``, and
+the daemon gives back what that worker told and the pool never took (shm_manager Note [Counts sent to a reader]).
+mp-dask does the same over Dask's comms (``tell_counts(reader)``; its pools say ``done_with`` for the workers they saw
+die). Where no daemon can be told, the count is added as for any message (a copy segment's handle names its sender
+before that is known; the reader's take of an untold count is a hold the daemon never gives back twice).
+
+Not covered: a worker killed in the microseconds between adding a count and sending the daemon's frame.
 """
 
 from __future__ import annotations

@@ -292,23 +292,23 @@ def rebuild_ndarray(ref, size, offset, shape, strides, dtype, readonly, block=No
 # Note [inputs once per call]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Invariant: an unshared array that several tasks of one map-like Pool call take is copied into shared memory at most
-# twice in that call, whatever the number of tasks, and each task still gets a private copy of its own: a task that
-# writes its input never changes another's.
+# twice in that call, whatever the number of tasks, and each task still gets its own private copy: a task that writes
+# its input never changes another's.
 #
-# Why: such a call (``partial(f, big)``, ``starmap`` of ``(big, i)`` pairs) copied it into a new message segment for
-# every task: a 256 MiB input cost a copy per task and one segment per task in flight (+0.8 GiB in the issue's run).
+# Why: such a call (``partial(f, big)``, ``starmap`` of ``(big, i)`` pairs) copied it into a new segment per task: a
+# 256 MiB input cost a copy per task and a segment per task in flight.
 #
-# How: the Pool gives the messages of one call (job) one ``inputs`` table, id -> [weak reference to the array, its
-# shared copy]. An array's first message copies it as before (its task gets a view of that segment); its second makes
-# one shared copy (``shared_copy``: a recycled segment) that it and every later message of the call name, each task
-# rebuilding its own copy from it (``rebuild_own_copy``). An entry holds its array weakly (an id is the array's only
-# while it lives: a new array with the same id is a new entry); the table goes when the call's result is complete
-# (its _Cache entry goes), and the shared copy's segment goes back to the recycling pool once the last task's view is
-# gone. Only map-like calls have a table; the executor's ``map`` (a call per chunk) shares one among its calls, found
-# by their chunk function (executor._Call). ``stats()`` counts the shared copy once, as it is made.
+# How: the Pool gives one call's (job's) messages one ``inputs`` table, id -> [weak reference to the array, its shared
+# copy]. An array's first message copies it (its task views that segment); its second makes one shared copy
+# (``shared_copy``: a recycled segment) that it and every later message of the call name, each task rebuilding its own
+# copy from it (``rebuild_own_copy``). A new array reusing a dead one's id is a new entry (the reference is weak). The
+# table goes when the call's result is complete (its _Cache entry goes); the shared copy's segment goes back to the
+# recycling pool once the last task's view is gone. Only map-like calls have a table; the executor's ``map`` (a call per
+# chunk) shares one among its calls, found by their chunk function (executor._Call). ``stats()`` counts the shared copy
+# once, when made.
 #
-# Not covered: a caller who changes the array while the call runs: the stdlib's tasks pickled later see the change,
-# ours after the first two do not.
+# Not covered: a caller who changes the array while the call runs: the stdlib's tasks pickled later see the change, ours
+# after the first two do not.
 def rebuild_own_copy(ref, size, offset, shape, strides, dtype, readonly, block=None):
     """An input a Pool call shares once for all its tasks (Note [inputs once per call]): this task's own copy."""
     view = rebuild_ndarray(ref, size, offset, shape, strides, dtype, readonly, block)

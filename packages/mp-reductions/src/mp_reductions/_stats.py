@@ -1,37 +1,40 @@
 """What moved: this process's counters of messages, arrays and segments (``stats()``), what another process
 reads of them (``read(pid)``: ``python -m arraymp stats PID``), and the warning when sharing stops.
 
-Note [stats]: every process keeps its counters in one array of int64 words, ``counts``; the send and receive
-paths add to a word by its index (a module constant), nothing else: no lock, no lookup by name, no system call.
-From ``init_reductions()`` on (``import arraymp``, or receiving one of our channels) that array is a page of a
-memfd of its own, named ``arraymp-stats``, mapped shared and kept open for the life of the process::
+Note [stats]
+~~~~~~~~~~~~
+Invariant: a process's counters are written by that process alone, readable by another of its uid (or root) as they are
+now, and nothing of them outlives the process.
+
+How: each process keeps its counters in one array of int64 words, ``counts``; the send and receive paths add to a word
+by its index (``FIELDS`` says which counts what): no lock, no lookup by name, no system call. From ``init_reductions()``
+on (``import arraymp``, or a channel of ours received) that array is a page of its own memfd, ``arraymp-stats``, mapped
+shared and open for the process's life::
 
     | magic "AMPSTATS", version, nfields, pid, names at, names length | int64 x nfields | names, comma-separated |
     | where sharing first stopped (file:line), NUL-padded                                                      |
 
-So the counters are published as they change, for free, and only this process writes them. A reader (``read``)
-finds the page among ``/proc/PID/fd`` (the kernel lets only the owner, or root, look there), opens it there,
-and trusts nothing it holds: a regular file of its own uid and of one page, the magic, the version, the pid
-written in it, field names that are short identifiers. A memfd has no name on any filesystem: it goes when the
-last process holding it goes, SIGKILL included, so nothing can be left behind in /dev/shm or anywhere, and no
-stale state of a dead pid can be read (its /proc entry is gone with it). A fork child must not write its
-parent's page: it drops the inherited descriptor and mapping and starts a page of its own from zero (its
-counters are its own, since it started: ``os.register_at_fork``); a spawned or forkserver child is a new
-interpreter. What the counters cannot say, the kernel does: segments mapped and descriptors held are read
-from ``/proc/PID/maps`` and ``/proc/PID/fd`` when asked, for this process and another alike.
+A reader (``read``) finds it among ``/proc/PID/fd`` (open to the owner and root only) and trusts nothing in it: a
+regular file of its own uid and one page, its magic, version and pid, field names that are short identifiers. A memfd
+has no name on any filesystem and goes with the last process holding it, SIGKILL included: nothing is left behind, and
+no dead pid's counters can be read. A fork child drops the inherited page and starts its own from zero
+(``os.register_at_fork``). Segments mapped and descriptors held (``GAUGES``) are read from ``/proc/PID/maps`` and
+``/proc/PID/fd`` when asked.
 
-Increments from several threads of one process are not atomic (two threads sending at once may, rarely, lose
-one; under a GIL a thread switch between the read and the write of one word is rare): exact for one sending
-and one receiving thread, as the tests use them. ``FIELDS`` says which word counts what.
+Not covered: increments from several threads are not atomic (two at once may, rarely, lose one): exact for one sending
+and one receiving thread, as the tests use them.
 
-Note [sharing stopped]: an unshared array of at least the inline threshold is meant for shared memory (copied
-once into a segment). Where it goes inside the pickle instead (a full shared-memory directory, or a stdlib or
-Manager channel under the file_descriptor strategy: _reductions Note [channels we do not own]) every byte of it
-is copied through the socket, ten times slower, and nothing said so. Now the first such array of a process
-raises a ``SharingStoppedWarning`` (once per process: a fork child warns again) saying what happened, how many
-bytes, and the remedy, and every such array is counted (``fallbacks``, ``fallback_bytes``). On our channels
-the warning comes while the message is pickled, before it is sent: a filter that makes it an error fails the
-``put`` with nothing sent.
+Note [sharing stopped]
+~~~~~~~~~~~~~~~~~~~~~~
+Invariant: every unshared array of at least the inline threshold that goes inside the pickle is counted (``fallbacks``,
+``fallback_bytes``), and the first of a process (a fork child's first too) raises a ``SharingStoppedWarning`` saying
+what happened, how many bytes, and the remedy; on our channels, before it is sent.
+
+Why: such an array is meant for shared memory (copied once into a segment). Where it goes inside the pickle instead (a
+full shared-memory directory, or a stdlib or Manager channel under the file_descriptor strategy: _reductions Note
+[channels we do not own]) every byte of it is copied through the socket, ten times slower, and nothing said so. On our
+channels the warning comes while the message is pickled, so a filter that makes it an error fails the ``put`` with
+nothing sent.
 
 Note [copy hints]
 ~~~~~~~~~~~~~~~~~

@@ -3,21 +3,20 @@ which tasks a dead worker took, so that it fails the one it ran and loses no oth
 
 Note [lost tasks]
 ~~~~~~~~~~~~~~~~~
-Invariant: every task sent is, whatever is killed when, finished, failed, or queued for a live or starting worker;
-a dead worker fails at most the one task it was running. The parent sends slot k a message (one task, or a batch:
-Note [batches]) only while it holds fewer than ``DEPTH`` unfinished ones (sent, and neither all their results read
-nor their loss settled), under the slots' lock, and records each with its size in bytes; it keeps a reading end of
-every slot's queue. A worker takes its messages in order, so those still queued are the last ones sent, and their
-total size (SIOCINQ) says how many. When the worker handler reaps worker k (dead: it sent all it will ever send),
-it reads that total under the lock, before the replacement (the only other reader) starts: the taken messages are
-recorded, the queued ones left to the replacement. The result handler settles the record once it has read every
-message queued on the short socket and the outqueue (the dead worker's are all there by then): the first recorded
-task still unfinished fails with WorkerLostError (or TaskTimeoutError: watchdog Note [task timeouts]), the others
-are ready again, first in line. A message not taken yet is moved, unchanged, to a slot left with nothing to do
-when no task is ready (told by its bytes; a receive that finds nothing moves nothing), whether its worker runs
-another or has taken none yet (one still starting would otherwise hold it while the idle slot waits). Stop sentinels
-go to the slots only once no task is unfinished (close) or at terminate, where the messages left in the slots are
-drained (each unpickled, so that the shared memory it names is given back).
+Invariant: every task sent is, whatever is killed when, finished, failed, or queued for a live or starting worker; a
+dead worker fails at most the one task it was running.
+
+How: the parent sends slot k a message (one task, or a batch: Note [batches]) only while it holds fewer than ``DEPTH``
+unfinished ones (results not all read, loss not settled), recording each and its size in bytes under the slots' lock; it
+keeps a reading end of every slot's queue. A worker takes its messages in order, so those still queued are the last
+sent, and their total size (SIOCINQ) says how many. The worker handler, reaping worker k (dead: it sent all it will),
+reads that total under the lock before the replacement (the only other reader) starts: recording those taken, leaving
+those queued to the replacement. The result handler settles the record once it has read the short socket and the
+outqueue (where all the dead worker's messages are by then): its first task still unfinished fails with WorkerLostError
+(or TaskTimeoutError: watchdog Note [task timeouts]), the others are ready again, first in line. With no task ready, an
+idle slot takes, unchanged, another slot's message not taken yet (told by its bytes; a receive that finds nothing moves
+nothing), even one a starting worker would hold. Stop sentinels go only once no task is unfinished (close), or at
+terminate, which drains the slots' messages (each unpickled, to give back the shared memory it names).
 
 Note [batches]
 ~~~~~~~~~~~~~~
