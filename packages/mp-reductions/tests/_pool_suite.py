@@ -1,5 +1,6 @@
 """The Pool suite, bound to a start method by test_pool_<method>.py."""
 
+import gc
 import itertools
 import multiprocessing
 import os
@@ -12,6 +13,7 @@ import time
 from multiprocessing import pool as mp_pool
 
 import _pool_targets as T
+import _views
 import mp_reductions as mpr
 import numpy as np
 import pytest
@@ -75,6 +77,44 @@ class PoolSuite:
         a[:] = np.arange(1_000_000)
         with mpr.Pool(2, initializer=T.keep, initargs=(a, np.arange(10)), context=ctx) as pool:
             assert pool.map(T.kept_sum, range(4)) == [float(a.sum()) + 45] * 4
+
+    @pytest.mark.parametrize("strategy", ["file_system"], indirect=True)
+    @pytest.mark.parametrize("shared", [False, True], ids=["plain", "shared"])
+    def test_workers_ended_as_they_start_leave_no_segment_of_their_initargs(self, ctx, strategy, shared):
+        # core Note [launch counts]: a spawn / forkserver worker terminated before it unpickled its initargs left
+        # their launch copy (a plain array) or their in-flight count (a shared one) until the group ended
+        a = mpr.empty_shared(1_000_000) if shared else np.ones(1_000_000)
+        for _ in range(3):
+            pool = mpr.Pool(2, initializer=T.keep, initargs=(a,), context=ctx)
+            pids = {os.getpid(), *(p.pid for p in pool._pool)}
+            pool.terminate()  # at once: the workers are still starting
+            pool.join()
+            if not shared:
+                assert_none_left(pids)
+        if shared:  # and the shared one goes with its last holder
+            seg = _views.segment_under(a)
+            path = os.path.join(seg.dir, seg.name)
+            del a, seg, pool  # (its processes keep their arguments, as the stdlib's)
+            gc.collect()
+            deadline = time.monotonic() + 5
+            while os.path.exists(path) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert not os.path.exists(path)
+
+    @pytest.mark.parametrize("strategy", ["file_system"], indirect=True)
+    def test_the_counts_kept_for_a_launch_go_back_once_the_worker_started(self, ctx, strategy):
+        # core Note [launch counts]: not when the pool ends; the worker's own copy is then its own (it goes when the
+        # worker lets go of it, as the stdlib's worker keeps its initargs while it runs)
+        a = np.ones(1_000_000)  # 8 MB: a launch copy of its own in each spawn / forkserver worker
+        with mpr.Pool(2, initializer=len, initargs=(a,), context=ctx) as pool:
+            assert pool.map(T.double, [np.arange(3.0)] * 4, chunksize=1)[0].tolist() == [0.0, 2.0, 4.0]
+            deadline = time.monotonic() + TIMEOUT
+            while pool._core.launch_counts and time.monotonic() < deadline:  # (both started: one may be slow)
+                time.sleep(0.02)
+            assert not pool._core.launch_counts
+            pids = {os.getpid(), *(p.pid for p in pool._pool)}
+        pool.join()
+        assert_none_left(pids)
 
     def test_a_large_heap_kept_by_tasks_costs_little_collection_time(self, ctx):
         # a worker's full collections (the module docstring) are spaced by their length: a heap of 300,000 objects

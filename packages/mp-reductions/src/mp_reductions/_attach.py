@@ -68,10 +68,9 @@ def attach_named(name: str, dir: str, size: int | None, counted: bool = True,
                 "delivered again, or a forged handle: each takes a count it never owned), or it was removed by "
                 "hand (shm-manager gc)"
             ) from None
-        if not counted:  # (room for the hold's frame first: a count added with its frame left in our socket
-            shm_manager.flush()  # goes with a process killed then, until the group ends)
-            seg.incref()
-        return adopt_named(seg, sender if counted else None)
+        if not counted:  # a count of our own, added as the daemon is told (shm_manager.hold): a count added
+            return adopt_named(seg, count=seg.incref)  # with its frame not sent goes with a process killed then
+        return adopt_named(seg, sender)
 
 
 def fd_for_sending(seg: shm_core.Segment, *, dup: bool = False) -> int:

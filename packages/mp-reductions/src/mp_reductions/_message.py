@@ -411,6 +411,32 @@ def counts_kept():
         tls.kept = saved
 
 
+class KeptCounts:
+    """``obj``, pickled inside whatever pickles this as a pickle of its own made under ``keep_counts(held)``, and
+    unpickled under ``counts_kept``: for a transport that gives no sign of delivery, where the caller learns by
+    other means when the receiver is done unpickling or gone (a pool worker's launch: _pool.core Note [launch
+    counts]). Its pickle needs ``multiprocessing``'s spawning Popen where it names a memfd segment, as any."""
+
+    __slots__ = ("obj", "held")
+
+    def __init__(self, obj, held: list):
+        self.obj, self.held = obj, held
+
+    def __reduce__(self):
+        from multiprocessing.reduction import ForkingPickler
+
+        with keep_counts(self.held):
+            data = bytes(ForkingPickler.dumps(self.obj))
+        return _load_kept, (data,)
+
+
+def _load_kept(data: bytes):
+    import pickle
+
+    with counts_kept():
+        return pickle.loads(data)
+
+
 def give_back_counts(held: list) -> None:
     """Give back the counts ``keep_counts`` kept in ``held`` (emptied: a second call gives back nothing)."""
     while held:

@@ -283,11 +283,11 @@ def give_back_named(seg: shm_core.Segment) -> None:
         _unlink_named(seg)
 
 
-def adopt_named(seg: shm_core.Segment, sender: int | None = None) -> shm_core.Segment:
+def adopt_named(seg: shm_core.Segment, sender: int | None = None, count=None) -> shm_core.Segment:
     """This process holds one count of ``seg`` (the one ``sender`` told the daemon of, _message Note [results
-    told]); the daemon gives it back if we die."""
+    told], or one it adds now: ``count``, see shm_manager.hold); the daemon gives it back if we die."""
     if sender is None:
-        shm_manager.hold(seg.name, seg.dir)
+        shm_manager.hold(seg.name, seg.dir, count)
     else:
         shm_manager.take_from(sender, seg.name, seg.dir)
     seg.release_hook = _release_named

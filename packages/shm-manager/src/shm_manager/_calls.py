@@ -25,7 +25,9 @@ itself) and ``S`` with ``<sender pid>`` (this process will take nothing more fro
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 from typing import TYPE_CHECKING
 
 from . import _client, _group
@@ -60,22 +62,40 @@ def unregister(name: str, dir: str | os.PathLike | None = None) -> None:
         pass
 
 
-def hold(name: str, dir: str | os.PathLike | None = None) -> None:
+def hold(name: str, dir: str | os.PathLike | None = None, count: Callable[[], object] | None = None) -> None:
     """This process now holds one count of the segment's header refcount (fire-and-forget).
 
     Should this process die holding it, the daemon gives the count back (and
     unlinks the segment when that was the last): a SIGKILLed consumer does not
     pin a segment until its whole group ends. The segment may be of another
-    group (Note [Holds across groups] in _group.py).
+    group (Note [Holds across groups] in _group.py). ``count``: the caller's
+    increment of the header, for a count it adds now: called once, whatever
+    happens, right before the frame's send with this process connected and
+    its socket drained first (as :func:`send_to`), so that a process killed
+    in between is a matter of microseconds, not of a first connection.
     """
     try:
         token = _group.member(dir, _token(name))[0]
         with _client._lock:
             c = _conn(dir, token)
-            c.holds[name] = c.holds.get(name, 0) + 1
-            _tell(c, b"H", name)
+            if count is None:
+                c.holds[name] = c.holds.get(name, 0) + 1
+                _tell(c, b"H", name)
+                return
+            if c.sock is None:
+                _connect(c)
+            if c.sock is not None:
+                _send_pending(c, 1.0)
+            with _signals_held():
+                count, add = None, count
+                add()
+                c.holds[name] = c.holds.get(name, 0) + 1
+                _tell(c, b"H", name)
     except Exception:
         pass
+    finally:
+        if count is not None:  # (failed before it was added: the count is this process's all the same)
+            count()
 
 
 def give(pid: int, start: int, names: list[tuple[str, str | os.PathLike | None]]) -> None:
@@ -123,13 +143,31 @@ def _tell_peer(op: bytes, peer: int, name: str, dir, count: Callable[[], object]
                     c.pending += frame
                     return True
                 return False
-            if count is not None:
-                count()
-            c.pending += frame
-            _drain(c)
+            with _signals_held():
+                if count is not None:
+                    count()
+                c.pending += frame
+                _drain(c)
             return c.sock is not None
     except Exception:
         return False
+
+
+# A count added and the frame that tells it are sent with the signals a program is ended by held (SIGKILL cannot be):
+# a Pool's terminate (SIGTERM), Ctrl-C or a hangup arriving between the two would leave a count no daemon knows of,
+# until the group ends (and SIGINT's KeyboardInterrupt raised there, one this process keeps). Held, they come after.
+# Held in this thread only: where another thread takes the signal (its default action, or Python's handler run in the
+# main thread) it is as before, a matter of microseconds.
+_ENDING = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+
+
+@contextlib.contextmanager
+def _signals_held():
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _ENDING)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def take_from(sender: int, name: str, dir: str | os.PathLike | None = None) -> None:

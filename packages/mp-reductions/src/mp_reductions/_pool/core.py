@@ -40,6 +40,7 @@ import shm_manager
 from .. import _recycle
 from .._byvalue import target
 from .._channel import Packet, recv_raw
+from .._message import KeptCounts, give_back_counts
 from .._queues import SimpleQueue
 from .._reductions import init_reductions
 from .errors import PoolBrokenError
@@ -103,6 +104,8 @@ class Core:
         self.shared_results, self.daemon, self.executor = bool(shared_results), bool(daemon), executor
         self.start_failures_allowed = 1 if executor else processes  # slots Note [start failures]
         self.lock = threading.Lock()
+        self.launch_counts: dict[int, list] = {}  # Note [launch counts]: a worker's pid -> the counts kept for it
+        self.keeps_launch_counts = False  # a launch was pickled with its counts kept
         self.starting = threading.RLock()  # held while workers start: by the worker handler, or a front's grow
         self.broken: BaseException | None = None  # Note [helper threads], or the workers could not start
         self.cache = Cache(on_empty=self.wake)
@@ -206,18 +209,25 @@ class Core:
             if slots.workers[k] is not None or self.state == TERMINATE:
                 continue
             oom_base, row = self.watchdog.oom.read(), slots.clock.row(k)
+            initializer, initargs, held = self.initializer, self.initargs, []
+            if self.method != "fork" and (initializer is not None or initargs):  # pickled: Note [launch counts]
+                initializer, initargs = KeptCounts(initializer, held), KeptCounts(initargs, held)
+                self.keeps_launch_counts = True
             w = self.Process(self.ctx, target=worker, args=(
-                slots.queues[k], self.outqueue, slots.short, row, self.initializer, self.initargs, self.maxtasks,
+                slots.queues[k], self.outqueue, slots.short, row, initializer, initargs, self.maxtasks,
                 group, self.shared_results, os.getpid(), self.executor))
             w.name = w.name.replace("Process", "PoolWorker")
             w.daemon = self.daemon
             try:
                 w.start()
-            except (ConnectionError, EOFError) as exc:
-                if self.method != "forkserver":
+            except BaseException as exc:
+                give_back_counts(held)  # (a launch that failed after its pickle: no worker took them)
+                if self.method != "forkserver" or not isinstance(exc, (ConnectionError, EOFError)):
                     raise
                 raise RuntimeError(FORKSERVER_DIED) from exc
             pid = getattr(w, "pid", None)
+            if held:  # (under self.starting, which ``launched`` waits for: its STARTED may come first)
+                self.launch_counts[pid] = held
             if pid is not None:
                 slots.senders.add(pid)
             self.watchdog.started(w, oom_base)
@@ -291,10 +301,21 @@ class Core:
         self.release_arguments()
 
     def release_arguments(self) -> None:
-        """Drop the initializer and its arguments once no worker can start: the core's parts refer to each other
-        (a cycle only a collection frees), and what the caller handed it (a Queue and its semaphores, big arrays)
-        must go when the pool ends, as the stdlib's go."""
+        """Drop the initializer and its arguments once no worker can start or run: the core's parts refer to each
+        other (a cycle only a collection frees), and what the caller handed it (a Queue and its semaphores, big
+        arrays) must go when the pool ends, as the stdlib's go; with them the counts kept for their launches."""
         self.initializer, self.initargs = None, ()
+        for pid in list(self.launch_counts):
+            self.launched(pid)
+
+    def launched(self, pid) -> None:
+        """Worker ``pid`` has unpickled its initializer and arguments (it sent STARTED), or is dead: give back the
+        counts kept for its launch (Note [launch counts]; once: a second call finds none)."""
+        if self.keeps_launch_counts:
+            with self.starting:  # recorded once its start returned
+                held = self.launch_counts.pop(pid, None)
+            if held:
+                give_back_counts(held)
 
     def close_channels(self) -> None:
         for q in (self.outqueue, self.notifier):
@@ -313,6 +334,24 @@ def _quietly(call, *args) -> None:
         call(*args)
     except Exception:
         log.exception("the pool's teardown: %s failed", getattr(call, "__qualname__", call))
+
+
+# Note [launch counts]
+# ~~~~~~~~~~~~~~~~~~~~
+# Invariant: a spawn or forkserver worker killed at any point of its start, before or after it unpickled its
+# initializer and initargs, leaves no count of a named segment they name (a plain array's launch copy under
+# file_system, or a shared array's in-flight count): each goes back when the pool ends at the latest.
+#
+# Why: a launch is a pipe to a process that may die before it reads it; the in-flight count a receiver takes over
+# as it unpickles stayed until the group ended when a worker was terminated still starting (a pool ended quickly,
+# its second worker never needed: 8 MB left per plain initarg).
+#
+# How: as for tasks (_message Note [kept counts]): the core pickles each worker's initializer and initargs as a
+# pickle of their own (KeptCounts) under keep_counts, kept in ``launch_counts`` by the worker's pid; the worker
+# unpickles them under counts_kept, mapping each segment with a count of its own. The kept counts go back
+# (``launched``) when the worker sends STARTED (after its initializer returned), when the worker handler reaps it
+# dead, or when the pool ends (join, teardown: ``release_arguments``, its workers gone). A fork worker inherits
+# them in memory: nothing is pickled, nothing kept.
 
 
 # Note [fork server preload]

@@ -121,6 +121,7 @@ def _reap(core) -> None:
     for w in dead:
         w.join()
         core.workers.remove(w)
+        core.launched(w.pid)  # (core Note [launch counts])
     if dead:
         try:
             Packet(None, head=pickle.dumps(WAKE)).send_nowait(core.outqueue._writer._sock)
@@ -198,7 +199,9 @@ class ResultHandler:
         elif head == WAKE:
             pass
         elif head == STARTED:
-            self.started.add(loads(body, fds))
+            pid = loads(body, fds)
+            self.started.add(pid)
+            self.core.launched(pid)  # (core Note [launch counts])
             self.start_failures = 0
         elif head == START_FAILED:
             pid, error = loads(body, fds)
