@@ -3,6 +3,7 @@ semantics and Python 3.14's API on every version; workers retiring at max_tasks_
 hangs, CPython gh-115634), fork refuses max_tasks_per_child as the stdlib does, a dead worker breaks the executor
 with its cause, and arrays move as arguments, results and initargs under every start method."""
 
+import contextlib
 import concurrent.futures
 import json
 import multiprocessing
@@ -602,11 +603,14 @@ def test_a_failing_initializer_is_logged_to_the_concurrent_futures_logger(method
     with mp.ProcessPoolExecutor(1, mp_context=ctx, initializer=log_to, initargs=(logs,)) as ex:
         with pytest.raises(concurrent.futures.process.BrokenProcessPool):
             ex.submit(abs, 1).result(TIMEOUT)
-    record = logs.get(timeout=TIMEOUT)  # (QueueHandler puts the traceback in the message)
-    assert record.levelname == "CRITICAL" and record.getMessage().startswith("Exception in initializer:")
-    assert "ValueError: error in initializer" in record.getMessage()
-    with pytest.raises(queue.Empty):
-        logs.get(timeout=0.1)
+    records = [logs.get(timeout=TIMEOUT)]  # (QueueHandler puts the traceback in the message)
+    with contextlib.suppress(queue.Empty):  # a replacement may have started before the first failure was settled,
+        while True:  # and failed alike (docs/differences.md): each failure is logged, nothing else is
+            records.append(logs.get(timeout=0.5))
+    assert len(records) <= 2, [r.getMessage() for r in records]
+    for record in records:
+        assert record.levelname == "CRITICAL" and record.getMessage().startswith("Exception in initializer:")
+        assert "ValueError: error in initializer" in record.getMessage()
     logs.close()
 
 

@@ -118,7 +118,8 @@ def install() -> None:
                 info[DOMAIN_KEY], info[PID_KEY] = d, os.getpid()
             return info
 
-        Comm.handshake_info = handshake_info  # type: ignore[method-assign]
+        # (unused where distributed is not installed, as in the lint session)
+        Comm.handshake_info = handshake_info  # type: ignore[method-assign,unused-ignore]
         _installed = True
 
 

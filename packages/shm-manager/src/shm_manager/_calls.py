@@ -87,7 +87,8 @@ def hold(name: str, dir: str | os.PathLike | None = None, count: Callable[[], ob
             if c.sock is not None:
                 _send_pending(c, 1.0)
             with _signals_held():
-                count, add = None, count
+                add = count
+                count = None
                 add()
                 c.holds[name] = c.holds.get(name, 0) + 1
                 _tell(c, b"H", name)

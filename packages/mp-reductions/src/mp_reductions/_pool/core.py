@@ -104,7 +104,7 @@ class Core:
         self.shared_results, self.daemon, self.executor = bool(shared_results), bool(daemon), executor
         self.start_failures_allowed = 1 if executor else processes  # slots Note [start failures]
         self.lock = threading.Lock()
-        self.launch_counts: dict[int, list] = {}  # Note [launch counts]: a worker's pid -> the counts kept for it
+        self.launch_counts: dict[int | None, list] = {}  # Note [launch counts]: a worker pid -> counts kept for it
         self.keeps_launch_counts = False  # a launch was pickled with its counts kept
         self.starting = threading.RLock()  # held while workers start: by the worker handler, or a front's grow
         self.broken: BaseException | None = None  # Note [helper threads], or the workers could not start
@@ -209,7 +209,8 @@ class Core:
             if slots.workers[k] is not None or self.state == TERMINATE:
                 continue
             oom_base, row = self.watchdog.oom.read(), slots.clock.row(k)
-            initializer, initargs, held = self.initializer, self.initargs, []
+            initializer, initargs = self.initializer, self.initargs
+            held: list = []
             if self.method != "fork" and (initializer is not None or initargs):  # pickled: Note [launch counts]
                 initializer, initargs = KeptCounts(initializer, held), KeptCounts(initargs, held)
                 self.keeps_launch_counts = True
