@@ -3,8 +3,8 @@ semantics and Python 3.14's API on every version; workers retiring at max_tasks_
 hangs, CPython gh-115634), fork refuses max_tasks_per_child as the stdlib does, a dead worker breaks the executor
 with its cause, and arrays move as arguments, results and initargs under every start method."""
 
-import contextlib
 import concurrent.futures
+import contextlib
 import json
 import multiprocessing
 import os
