@@ -102,18 +102,27 @@ class PoolSuite:
             assert not os.path.exists(path)
 
     @pytest.mark.parametrize("strategy", ["file_system"], indirect=True)
-    def test_the_counts_kept_for_a_launch_go_back_once_the_worker_started(self, ctx, strategy):
-        # core Note [launch counts]: not when the pool ends; the worker's own copy is then its own (it goes when the
-        # worker lets go of it, as the stdlib's worker keeps its initargs while it runs)
+    def test_the_counts_kept_for_a_launch_go_back_as_its_worker_is_reaped(self, ctx, strategy):
+        # core Note [launch counts]: the pool holds them for each live spawn / forkserver worker, and gives a killed
+        # one's back as it reaps it, not when the pool ends; its replacement gets counts of its own
         a = np.ones(1_000_000)  # 8 MB: a launch copy of its own in each spawn / forkserver worker
-        with mpr.Pool(2, initializer=len, initargs=(a,), context=ctx) as pool:
-            assert pool.map(T.double, [np.arange(3.0)] * 4, chunksize=1)[0].tolist() == [0.0, 2.0, 4.0]
+        with mpr.Pool(2, initializer=T.keep, initargs=(a,), context=ctx) as pool:
+            assert pool.map(T.kept_sum, range(4)) == [1_000_000.0] * 4
+            live = {p.pid for p in pool._pool}
+            kept = set(pool._core.launch_counts)
+            assert kept == (set() if self.method == "fork" else live)
+            victim = pool._pool[0].pid
+            os.kill(victim, signal.SIGKILL)
             deadline = time.monotonic() + TIMEOUT
-            while pool._core.launch_counts and time.monotonic() < deadline:  # (both started: one may be slow)
+            while victim in pool._core.launch_counts or len(pool._pool) < 2 or victim in {p.pid for p in pool._pool}:
+                assert time.monotonic() < deadline, "the killed worker was never reaped and replaced"
                 time.sleep(0.02)
-            assert not pool._core.launch_counts
-            pids = {os.getpid(), *(p.pid for p in pool._pool)}
+            assert pool.map(T.kept_sum, range(4)) == [1_000_000.0] * 4
+            pids = {os.getpid(), victim, *(p.pid for p in pool._pool)}
+            if self.method != "fork":
+                assert set(pool._core.launch_counts) == {p.pid for p in pool._pool}
         pool.join()
+        assert not pool._core.launch_counts
         assert_none_left(pids)
 
     def test_a_large_heap_kept_by_tasks_costs_little_collection_time(self, ctx):

@@ -46,12 +46,15 @@ def attach_fd(fd: int, size: int | None, *, owned: bool) -> shm_core.Segment:
 
 
 def attach_named(name: str, dir: str, size: int | None, counted: bool = True,
-                 sender: int | None = None) -> shm_core.Segment:
+                 sender: int | None = None, borrowed: bool = False) -> shm_core.Segment:
     """The named segment ``name``, mapped once per process; takes over one in-flight count (``counted``: from the
     daemon when ``sender`` told it, _message Note [results told]), or takes a count of its own (the sender
-    keeps its count until then: _message Note [kept counts])."""
+    keeps its count until then: _message Note [kept counts]), or (``borrowed``) none: its sender keeps one for
+    this process's whole life (_pool.core Note [launch counts])."""
     with table.lock:
         seg = table.segments.get(("n", name))
+        if seg is not None and borrowed:
+            return seg
         if seg is not None:
             if counted:  # this process already holds a count: the in-flight one goes back
                 if sender is not None:  # (the daemon was told of it: it forgets it, or would give it back again)
@@ -68,6 +71,9 @@ def attach_named(name: str, dir: str, size: int | None, counted: bool = True,
                 "delivered again, or a forged handle: each takes a count it never owned), or it was removed by "
                 "hand (shm-manager gc)"
             ) from None
+        if borrowed:
+            table.add(("n", name), seg)
+            return seg
         if not counted:  # a count of our own, added as the daemon is told (shm_manager.hold): a count added
             return adopt_named(seg, count=seg.incref)  # with its frame not sent goes with a process killed then
         return adopt_named(seg, sender)

@@ -361,6 +361,7 @@ class _TLS(threading.local):
     ctx = None
     held: list | None = None  # keep_counts: the in-flight counts this thread's pickle takes, kept (Note [kept counts])
     kept = False  # counts_kept: the pickle being loaded was made under keep_counts
+    borrowed = False  # KeptCounts: the pickle being loaded takes no count: its sender keeps them for our life
     to: int | None = None  # the pid of the reader of the message being pickled, told its counts (Note [results told])
 
 
@@ -413,9 +414,10 @@ def counts_kept():
 
 class KeptCounts:
     """``obj``, pickled inside whatever pickles this as a pickle of its own made under ``keep_counts(held)``, and
-    unpickled under ``counts_kept``: for a transport that gives no sign of delivery, where the caller learns by
-    other means when the receiver is done unpickling or gone (a pool worker's launch: _pool.core Note [launch
-    counts]). Its pickle needs ``multiprocessing``'s spawning Popen where it names a memfd segment, as any."""
+    unpickled taking no count of the named segments it names (only mapped): the caller keeps their counts for the
+    receiver's whole life and gives them back once it is gone (a pool worker's launch: _pool.core Note [launch
+    counts]), so nothing the receiver does, or fails to do when killed, counts. Its pickle needs
+    ``multiprocessing``'s spawning Popen where it names a memfd segment, as any."""
 
     __slots__ = ("obj", "held")
 
@@ -433,8 +435,11 @@ class KeptCounts:
 def _load_kept(data: bytes):
     import pickle
 
-    with counts_kept():
+    saved, tls.borrowed = tls.borrowed, True
+    try:
         return pickle.loads(data)
+    finally:
+        tls.borrowed = saved
 
 
 def give_back_counts(held: list) -> None:

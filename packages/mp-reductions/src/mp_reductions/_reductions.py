@@ -254,7 +254,7 @@ def _segment_for(ref, size: int) -> shm_core.Segment:
         ctx = tls.ctx
         if isinstance(ctx, Incoming):
             return ctx.named(ref[1], ref[2], size, sender)
-        return _received(_attach.attach_named(ref[1], ref[2], size, not tls.kept, sender))
+        return _received(_attach.attach_named(ref[1], ref[2], size, not tls.kept, sender, borrowed=tls.borrowed))
     raise shm_core.SegmentError(f"unknown segment reference {ref!r:.80} (forged or corrupted handle)")
 
 

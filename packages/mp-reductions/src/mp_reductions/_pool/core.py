@@ -227,7 +227,7 @@ class Core:
                     raise
                 raise RuntimeError(FORKSERVER_DIED) from exc
             pid = getattr(w, "pid", None)
-            if held:  # (under self.starting, which ``launched`` waits for: its STARTED may come first)
+            if held:  # (under self.starting, which ``launched`` waits for)
                 self.launch_counts[pid] = held
             if pid is not None:
                 slots.senders.add(pid)
@@ -310,8 +310,8 @@ class Core:
             self.launched(pid)
 
     def launched(self, pid) -> None:
-        """Worker ``pid`` has unpickled its initializer and arguments (it sent STARTED), or is dead: give back the
-        counts kept for its launch (Note [launch counts]; once: a second call finds none)."""
+        """Worker ``pid`` is dead: give back the counts kept for its launch (Note [launch counts]; once: a second
+        call finds none)."""
         if self.keeps_launch_counts:
             with self.starting:  # recorded once its start returned
                 held = self.launch_counts.pop(pid, None)
@@ -339,19 +339,21 @@ def _quietly(call, *args) -> None:
 
 # Note [launch counts]
 # ~~~~~~~~~~~~~~~~~~~~
-# Invariant: a spawn or forkserver worker killed at any point of its start, before or after it unpickled its
-# initializer and initargs, leaves no count of a named segment they name (a plain array's launch copy under
-# file_system, or a shared array's in-flight count): each goes back when the pool ends at the latest.
+# Invariant: a spawn or forkserver worker killed at any point of its life, its start included, leaves no count of a
+# named segment its initializer and initargs name (a plain array's launch copy under file_system, or a shared
+# array's in-flight count): the pool holds one count of each per live worker, and gives it back once that worker is
+# reaped dead, or when the pool ends.
 #
-# Why: a launch is a pipe to a process that may die before it reads it; the in-flight count a receiver takes over
-# as it unpickles stayed until the group ended when a worker was terminated still starting (a pool ended quickly,
-# its second worker never needed: 8 MB left per plain initarg).
+# Why: a launch is a pipe to a process that may die before or while it reads it. A worker that took the in-flight
+# count over, or added one of its own, as it unpickled could be killed before the daemon heard of it (a fresh
+# process connects first): the count stayed until the group ended, and a pool ended quickly, its second worker
+# still starting, left its launch copy (8 MB per plain initarg in the tests).
 #
-# How: as for tasks (_message Note [kept counts]): the core pickles each worker's initializer and initargs as a
-# pickle of their own (KeptCounts) under keep_counts, kept in ``launch_counts`` by the worker's pid; the worker
-# unpickles them under counts_kept, mapping each segment with a count of its own. The kept counts go back
-# (``launched``) when the worker sends STARTED (after its initializer returned), when the worker handler reaps it
-# dead, or when the pool ends (join, teardown: ``release_arguments``, its workers gone). A fork worker inherits
+# How: the core pickles each worker's initializer and initargs as a pickle of their own (_message.KeptCounts) under
+# keep_counts, kept in ``launch_counts`` by the worker's pid; the worker unpickles them taking no count (mapped
+# only: ``borrowed``), so nothing it does or fails to do counts. The worker handler gives a worker's counts back
+# once it reaps it (``launched``), the pool's join and teardown those left (``release_arguments``, every worker
+# gone). The worker keeps the arrays as long as it lives, as the stdlib's keeps its initargs. A fork worker inherits
 # them in memory: nothing is pickled, nothing kept.
 
 

@@ -199,9 +199,7 @@ class ResultHandler:
         elif head == WAKE:
             pass
         elif head == STARTED:
-            pid = loads(body, fds)
-            self.started.add(pid)
-            self.core.launched(pid)  # (core Note [launch counts])
+            self.started.add(loads(body, fds))
             self.start_failures = 0
         elif head == START_FAILED:
             pid, error = loads(body, fds)
