@@ -38,8 +38,6 @@ import subprocess
 import sys
 import time
 
-import psutil  # (a dependency of distributed)
-
 CLONE_NEWNS = 0x00020000
 MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 1 << 14, 1 << 18
 SHM_SIZE = "1g"
@@ -91,6 +89,8 @@ def _mount_ns(pid: int) -> str | None:
 
 def descendants(pid: int) -> list[int]:
     """Every live descendant of ``pid``."""
+    import psutil  # (a dependency of distributed; here, not at import: nox's own check imports this module)
+
     try:
         return [p.pid for p in psutil.Process(pid).children(recursive=True)]
     except psutil.Error:
@@ -103,7 +103,8 @@ def _members(holder: int, private: bool) -> list[int]:
     found = set(descendants(holder))
     ns = _mount_ns(holder)
     if private and ns is not None:
-        found.update(p for p in psutil.pids() if p != holder and _mount_ns(p) == ns)
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+        found.update(p for p in pids if p != holder and _mount_ns(p) == ns)
     found.discard(holder)
     return sorted(found)
 
