@@ -45,8 +45,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import threading
 import weakref
+from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import shm_core
@@ -377,15 +379,25 @@ def _received(seg: shm_core.Segment) -> shm_core.Segment:
 
 
 @contextlib.contextmanager
+def _set(**values):
+    """This thread's ``tls`` attributes set to ``values`` for the block, as they were after."""
+    saved = {name: getattr(tls, name) for name in values}
+    for name, value in values.items():
+        setattr(tls, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(tls, name, value)
+
+
+@contextlib.contextmanager
 def keep_counts(held: list):
     """Pickle (for a transport not ours: Dask's comms) with this process keeping the in-flight counts of the named
     segments the pickle names: appended to ``held``; give them back with ``give_back_counts(held)`` once the
     receiver has unpickled it (under ``counts_kept``) or is gone (Note [kept counts])."""
-    saved, tls.held = tls.held, held
-    try:
+    with _set(held=held):
         yield
-    finally:
-        tls.held = saved
 
 
 @contextlib.contextmanager
@@ -394,22 +406,16 @@ def tell_counts(reader: int):
     namespace) with the in-flight count of each named segment it names told to the daemon as sent to ``reader``:
     once ``reader`` says it is done with this process (``shm_manager.done_with``), the counts it never took go
     back, this process dead or alive (Note [results told])."""
-    saved, tls.to = tls.to, reader
-    try:
+    with _set(to=reader):
         yield
-    finally:
-        tls.to = saved
 
 
 @contextlib.contextmanager
 def counts_kept():
     """Unpickle what was pickled under ``keep_counts``: each named segment it names is mapped with a count of this
     process's own (Note [kept counts])."""
-    saved, tls.kept = tls.kept, True
-    try:
+    with _set(kept=True):
         yield
-    finally:
-        tls.kept = saved
 
 
 class KeptCounts:
@@ -425,21 +431,14 @@ class KeptCounts:
         self.obj, self.held = obj, held
 
     def __reduce__(self):
-        from multiprocessing.reduction import ForkingPickler
-
         with keep_counts(self.held):
             data = bytes(ForkingPickler.dumps(self.obj))
         return _load_kept, (data,)
 
 
 def _load_kept(data: bytes):
-    import pickle
-
-    saved, tls.borrowed = tls.borrowed, True
-    try:
+    with _set(borrowed=True):
         return pickle.loads(data)
-    finally:
-        tls.borrowed = saved
 
 
 def give_back_counts(held: list) -> None:
