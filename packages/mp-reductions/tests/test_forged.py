@@ -591,8 +591,11 @@ def test_fuzzed_bare_handles_raise_clearly(receiver, good_segment):
 
 
 def test_a_replayed_named_handle_is_named_as_a_cause():
-    # issue 20: the same pickled bytes received twice take a count never owned; the segment is then unlinked while
-    # its sender holds it, and the next receiver was told to keep "the sender's array alive", which it was
+    # issue 20: the same pickled bytes received twice take a count never owned. Where the daemon booked the first
+    # receipt's hold before the replay took the in-flight count off the header (shm_manager Note [Booked counts]),
+    # the receiver's end gives back a count its sender still needs and the segment is unlinked while the sender
+    # holds it: the next receiver must be told that a replay is a cause. In the other order (a daemon slower than
+    # the replay) the daemon books nothing and the count stays right: the next receiver maps the sender's array.
     ctx = multiprocessing.get_context("spawn")
     mpr.set_sharing_strategy("file_system")
     try:
@@ -606,16 +609,17 @@ def test_a_replayed_named_handle_is_named_as_a_cause():
         # goes once it has (sending before then would add a count to a segment that the replay has not emptied yet)
         seg = _views.segment_under(a)
         path = os.path.join(seg.dir, seg.name)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 10
         while os.path.exists(path) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert not os.path.exists(path), "the replayed count was never given back"
+        unlinked = not os.path.exists(path)
         out = mpr.Queue()
         p = ctx.Process(target=_targets.load_and_report, args=(bytes(reduction.ForkingPickler.dumps(a)), out))
         p.start()
         message = out.get(timeout=60)
         p.join(60)
-        assert message.startswith("FileNotFoundError") and "received twice" in message, message
+        named = message.startswith("FileNotFoundError") and "received twice" in message
+        assert named if unlinked else named or message == "loaded", message
         assert (a == 1).all()  # the sender's array itself is untouched
     finally:
         mpr.set_sharing_strategy("file_descriptor")
