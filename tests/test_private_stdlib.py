@@ -8,7 +8,7 @@ on every supported version (3.11-3.15): a failure there is a bug to fix, not a
 test to skip. ``test_no_unlisted_private_access`` fails when our source reaches
 a new private name of a stdlib module through a name an import bound;
 ``test_no_foreign_private_attribute`` when it reaches, through any object
-(``process._popen``, ``getattr(spec, "_initializing")``), a private attribute
+(``process._popen``, ``getattr(obj, "_name")``), a private attribute
 that no code of ours defines: add it to a list (or, better, don't).
 
 Not listed: ``os._exit`` and ``sys._getframe`` (documented), and names of
@@ -40,16 +40,11 @@ _CORE = "mp_reductions/_pool/core.py"
 # A name written as a call, ``_set(i, obj)``, is also a signature: the parameters we pass (or, for an
 # override, those the stdlib passes to ours), in order; names after ``*`` are passed by keyword.
 PRIVATE = [
-    ("multiprocessing.queues.Queue", "_on_queue_feeder_error(e, obj)", "method we call", "mp_reductions/_queues.py",
-     "read at import (mp_reductions fails to import); a subclass's feeder-error hook is called with (e, obj)"),
     ("multiprocessing.forkserver", "_forkserver", "attribute", _CORE,
      "read with a default: the fork server no longer preloads our packages, so each forkserver worker imports "
      "numpy and ours itself before its first task (Note [fork server preload])"),
     ("multiprocessing.forkserver.ForkServer", "_preload_modules", "attribute", _CORE,
      "read with a default: as for _forkserver (a list we extend, keeping the names the user set)"),
-    ("multiprocessing.spawn", "_inheriting", "attribute", "mp_spawn/_spawn.py",
-     "set on current_process() while a spawned child unpickles its main: read with a default, so the guard "
-     "against start_processes at import of __main__ in a child is silently lost"),
     ("multiprocessing.reduction.ForkingPickler", "_extra_reducers", "attribute",
      "mp_reductions/_channel.py, _reductions.py, _bare.py; arraymp/_bench.py",
      "our channels' pickler misses every registered reducer (arrays go by copy); init_reductions fails"),
@@ -64,14 +59,9 @@ PRIVATE = [
     ("_posixsubprocess", "fork_exec", "attribute", "mp_reductions/_nofile.py",
      "the module gone: _nofile fails to import; the name gone: spawn/forkserver children silently keep the "
      "raised RLIMIT_NOFILE (a C function: no signature assumed, our wrapper passes *args, **kwargs)"),
-    ("concurrent.futures.process", "_ExceptionWithTraceback(exc, tb)", "class we call", _WORKER,
-     "read with a default (multiprocessing.pool's ExceptionWithTraceback): an executor call's error then has a "
-     "RemoteTraceback of multiprocessing's as its cause, where code may look for concurrent.futures' own"),
     ("threading", "_register_atexit(func)", "function we call", "mp_reductions/_pool/executor.py",
      "read with a default (atexit.register): executors not shut down still finish their calls at exit, but an "
      "atexit function registered after the executor was first used runs first and may still submit"),
-    ("importlib.machinery.ModuleSpec", "_initializing", "attribute", "shm_cuda/_lazy.py",
-     "read with a default: cupy's reducers could be registered while cupy is half imported"),
 ]
 
 # What only the test harnesses need (stdlib_suite/, futures_suite/): their runs fail, no user sees it.
@@ -99,7 +89,6 @@ THIRD_PARTY = [
 # Where the dependency is on how the stdlib uses a name, not on an attribute we can look up: the stdlib
 # module whose source must still contain it.
 IN_SOURCE = {
-    ("multiprocessing.spawn", "_inheriting"): ("multiprocessing.spawn", "._inheriting"),
     # we wrap the module attributes: they are only seen if the stdlib calls through them
     ("subprocess", "_fork_exec"): ("subprocess", "_fork_exec("),
     ("subprocess", "_USE_VFORK"): ("multiprocessing.util", "subprocess._USE_VFORK"),
@@ -115,7 +104,6 @@ REMOVED = {("subprocess", "_USE_VFORK"): (3, 14)}  # gh-121381: subprocess vfork
 # Real instances, for names that exist only on instances.
 INSTANCES = {
     "multiprocessing.forkserver.ForkServer": lambda: contextlib.nullcontext(mp_forkserver.ForkServer()),
-    "importlib.machinery.ModuleSpec": lambda: contextlib.nullcontext(importlib.util.find_spec("json")),
 }
 
 

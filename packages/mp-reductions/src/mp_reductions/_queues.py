@@ -94,10 +94,6 @@ _WAITERS = _COUNT + 16  # putters waiting for room
 _CLOSE = object()
 
 
-# prints the traceback; ours raises at put instead (undocumented: typeshed lacks it)
-_STDLIB_FEEDER_ERROR = mp_queues.Queue._on_queue_feeder_error  # type: ignore[attr-defined]
-
-
 def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else deadline - time.monotonic()
 
@@ -159,9 +155,12 @@ class Queue(mp_queues.Queue, Generic[_T]):
     _writer: socket.socket = None  # type: ignore[assignment]
     _thread: threading.Thread | None = None
 
-    if TYPE_CHECKING:  # the stdlib's hook (undocumented, so not in typeshed): a subclass may override it
-        @staticmethod
-        def _on_queue_feeder_error(e: Exception, obj: object) -> None: ...
+    @staticmethod
+    def _on_queue_feeder_error(e: Exception, obj: object) -> None:
+        """The stdlib's feeder hook (undocumented): ours raises at ``put`` instead; a subclass written for the
+        stdlib that overrides it gets it called with ``(e, obj)`` and the item dropped, as the stdlib's feeder
+        does. Ours, not the stdlib's: nothing of it is looked up there."""
+        raise e
 
     def __init__(self, maxsize: int = 0, *, ctx: Any = None) -> None:
         if maxsize <= 0:
@@ -236,7 +235,7 @@ class Queue(mp_queues.Queue, Generic[_T]):
             packet = Packet(obj)
         except BaseException as e:
             self._give_slot()
-            if not isinstance(e, Exception) or type(self)._on_queue_feeder_error is _STDLIB_FEEDER_ERROR:
+            if not isinstance(e, Exception) or type(self)._on_queue_feeder_error is Queue._on_queue_feeder_error:
                 raise
             self._on_queue_feeder_error(e, obj)  # a subclass's hook, written for the stdlib: the item is dropped
             return

@@ -19,8 +19,8 @@ code 1 before it could run its function".
 
 Why: a spawn or forkserver child imports the main module again (as ``__mp_main__``) before it reads its function, so
 such a script calls ``spawn`` again there; the stdlib refuses to start processes then and the child exits with code
-1. So ``start_processes``, called while the process imports the main module for a start
-(``current_process()._inheriting``, the flag the stdlib checks), raises a RuntimeError that names the guard and
+1. So ``start_processes``, called while the process imports the main module for a start (the main module's top
+level, run as ``__mp_main__``, on the stack), raises a RuntimeError that names the guard and
 writes it to this child's error file, for the parent to raise as usual. The child knows that file from its process
 name: the parent sends the name before the main module (the one thing it sends first), so it appends the path
 (``_NAME_TAG``) for the start and takes it off again on both sides.
@@ -66,6 +66,17 @@ def _wrap(fn, i, args, error_dir, parent_pid, parent_start, expected_ppid, exit_
         _stop_own_children()
         _arm_exit_backstop(exit_timeout)
         sys.exit(1)
+
+
+def _importing_main_of_a_child() -> bool:
+    """Is this thread running the main module's top level as ``__mp_main__``, as a spawn or forkserver child (or
+    the fork server) imports it before it runs its function (Note [unguarded main])?"""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _refuse_unguarded_start() -> None:

@@ -64,7 +64,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, overload
 
 from . import _deathsig, _errors
-from ._child import _NAME_TAG, _refuse_unguarded_start, _wrap
+from ._child import _NAME_TAG, _importing_main_of_a_child, _refuse_unguarded_start, _wrap
 from ._context import ProcessContext
 from ._errors import ProcessException
 
@@ -223,7 +223,7 @@ def start_processes(fn: Callable[..., object], args: Sequence[Any] = (), nprocs:
     if nprocs < 0:
         raise ValueError(f"nprocs must be at least 0, got {nprocs}")
     mp = multiprocessing.get_context(start_method)
-    if start_method != "fork" and getattr(multiprocessing.current_process(), "_inheriting", False):
+    if start_method != "fork" and _importing_main_of_a_child():
         _refuse_unguarded_start()
     parent_pid = os.getpid()
     parent_start = _deathsig.start_time(parent_pid)

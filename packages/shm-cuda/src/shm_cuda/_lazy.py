@@ -10,6 +10,7 @@ loader, which runs the callbacks after cupy's module has executed.
 
 from __future__ import annotations
 
+import importlib
 import sys
 import threading
 from collections.abc import Callable
@@ -60,9 +61,8 @@ _finder = _Finder()
 def when_imported(name: str, fn: Callable) -> bool:
     """Call ``fn(module)`` once the top-level module ``name`` is imported: now if it already is
     (then returns True). Pending callbacks are kept once each."""
-    module = sys.modules.get(name)
-    if module is not None and getattr(module.__spec__, "_initializing", False) is False:
-        fn(module)
+    if sys.modules.get(name) is not None:  # imported, or being imported: by another thread, the import waits until it is done
+        fn(importlib.import_module(name))
         return True
     with _lock:
         callbacks = _finder.pending.setdefault(name, [])

@@ -130,13 +130,12 @@ def worker(inqueue, outqueue, short, row, initializer=None, initargs=(), maxtask
             if executor:
                 logging.getLogger("concurrent.futures").critical("Exception in initializer:", exc_info=True)
             try:
-                send(out, START_FAILED, (os.getpid(), mp_pool.ExceptionWithTraceback(e, e.__traceback__)))
+                send(out, START_FAILED, (os.getpid(), _wrap(e)))
             except Exception:  # unpicklable: the traceback on stderr says it
                 pass
             if executor:
                 sys.exit(1)  # (logged, as the stdlib's; its queues flushed at exit: the log may go through one)
             raise
-    wrap = _futures_wrapper() if executor else mp_pool.ExceptionWithTraceback
     catch = BaseException if executor else Exception
     send(out, STARTED, os.getpid())
     gc.freeze()  # what it has now lives as long as it does: collections look at what tasks made only
@@ -156,25 +155,17 @@ def worker(inqueue, outqueue, short, row, initializer=None, initargs=(), maxtask
             if type(job) is int and type(i) is int:  # (a forged head's are not: the task fails as it would)
                 row.start(job, i)
             t0 = time.perf_counter()
-            result = _run(task, task_fds, wrap, catch)
+            result = _run(task, task_fds, catch)
             now = time.perf_counter()  # one clock for the task's time and the collections'
             if not row.finish():  # the watchdog ended it (clock Note [task clock]): no result, no next task
                 os._exit(1)
-            _send_result(out, short, job, i, now - t0, result, reader, wrap if executor else None, catch)
+            _send_result(out, short, job, i, now - t0, result, reader, executor, catch)
             task = task_fds = result = None
             completed += 1
             collector.after_task(now)
         head = body = fds = None
     gc.collect()
     util.debug(f"worker exiting after {completed} tasks")
-
-
-def _futures_wrapper():
-    """concurrent.futures' wrapper of a call's exception (its cause, ``_RemoteTraceback``, holds the worker's
-    traceback: code that checks that type finds it), else the Pool's."""
-    from concurrent.futures import process
-
-    return getattr(process, "_ExceptionWithTraceback", mp_pool.ExceptionWithTraceback)
 
 
 # Note [out of memory]
@@ -201,25 +192,31 @@ def prepare_worker(shared_results: bool) -> None:
         pass
 
 
-def _run(body, fds, wrap, catch) -> tuple:
+def _wrap(e: BaseException):
+    """A task's exception with its traceback's text as the cause it is rebuilt with (multiprocessing's
+    RemoteTraceback, for the Pool and the executor alike: concurrent.futures' own wrapper is private)."""
+    return mp_pool.ExceptionWithTraceback(e, e.__traceback__)
+
+
+def _run(body, fds, catch) -> tuple:
     """One task's result, ``(True, value)`` or ``(False, exception)``: its arguments' unpickling error is the
     task's (an Exception; a BaseException there ends the worker), the call's any ``catch``."""
     try:
         _, _, func, args, kwds = loads(body, fds, kept=True)  # _message Note [kept counts]
     except Exception as e:
-        return False, wrap(e, e.__traceback__)
+        return False, _wrap(e)
     body = None
     try:
         return True, func(*args, **kwds)
     except catch as e:
-        return False, wrap(e, e.__traceback__)
+        return False, _wrap(e)
 
 
-def _send_result(out, short, job, i, seconds: float, result: tuple, reader, wrap, catch) -> None:
+def _send_result(out, short, job, i, seconds: float, result: tuple, reader, executor: bool, catch) -> None:
     """Send one task's result: on ``short`` framed by wire.RESULT if it is plain and small, else on ``out`` with
     the head (job, i, seconds); its in-flight counts told as sent to ``reader`` (_message Note [results
-    told]). A result that cannot be pickled sends its error instead: the pickling error itself (``wrap``, the
-    executor's) or the stdlib Pool's MaybeEncodingError."""
+    told]). A result that cannot be pickled sends its error instead: the pickling error itself (the executor's) or
+    the stdlib Pool's MaybeEncodingError."""
     packet = None
     try:
         head = pickle.dumps((job, i, seconds))
@@ -238,7 +235,7 @@ def _send_result(out, short, job, i, seconds: float, result: tuple, reader, wrap
     except catch as e:
         if packet is not None:  # made but not sent: what it holds goes back
             packet.discard()
-        error = wrap(e, e.__traceback__) if wrap is not None else encoding_error(e, result[1])
+        error = _wrap(e) if executor else encoding_error(e, result[1])
         util.debug(f"Possible encoding error while sending result: {error}")
         try:
             send(out, (job, i, seconds), (False, error))
