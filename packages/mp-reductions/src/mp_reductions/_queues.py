@@ -40,7 +40,7 @@ import weakref
 from multiprocessing import context as mp_context
 from multiprocessing import queues as mp_queues
 from multiprocessing import reduction, util
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import shm_core
 

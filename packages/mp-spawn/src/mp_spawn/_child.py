@@ -40,6 +40,7 @@ import os
 import sys
 import threading
 import traceback
+import types
 
 from . import _deathsig, _errors
 from ._context import _live_contexts
@@ -71,7 +72,7 @@ def _wrap(fn, i, args, error_dir, parent_pid, parent_start, expected_ppid, exit_
 def _importing_main_of_a_child() -> bool:
     """Is this thread running the main module's top level as ``__mp_main__``, as a spawn or forkserver child (or
     the fork server) imports it before it runs its function (Note [unguarded main])?"""
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
             return True

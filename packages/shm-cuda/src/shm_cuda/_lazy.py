@@ -61,7 +61,7 @@ _finder = _Finder()
 def when_imported(name: str, fn: Callable) -> bool:
     """Call ``fn(module)`` once the top-level module ``name`` is imported: now if it already is
     (then returns True). Pending callbacks are kept once each."""
-    if sys.modules.get(name) is not None:  # imported, or being imported: by another thread, the import waits until it is done
+    if sys.modules.get(name) is not None:  # imported, or being imported (by another thread: this import waits for it)
         fn(importlib.import_module(name))
         return True
     with _lock:

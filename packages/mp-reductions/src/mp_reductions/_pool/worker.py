@@ -195,7 +195,7 @@ def prepare_worker(shared_results: bool) -> None:
 def _wrap(e: BaseException):
     """A task's exception with its traceback's text as the cause it is rebuilt with (multiprocessing's
     RemoteTraceback, for the Pool and the executor alike: concurrent.futures' own wrapper is private)."""
-    return mp_pool.ExceptionWithTraceback(e, e.__traceback__)
+    return mp_pool.ExceptionWithTraceback(e, e.__traceback__)  # type: ignore[attr-defined]  # (typeshed lacks it)
 
 
 def _run(body, fds, catch) -> tuple:
