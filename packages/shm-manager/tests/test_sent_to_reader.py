@@ -6,10 +6,14 @@ the reader was done with its sender goes back at once; malformed frames are igno
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import struct
+import subprocess
+import sys
 import time
 
+import pytest
 import shm_manager
 from conftest import wait_until
 from shm_manager import _client
@@ -150,3 +154,22 @@ def test_malformed_count_frames_are_ignored_and_the_daemon_serves_on(tmp_path, m
     shm_manager.done_with([pid])
     wait_until(lambda: seg.refcount == 1, 5, "the count back")
     released_and_gone(seg, d)
+
+
+def test_a_reader_done_with_a_pid_is_not_done_with_the_next_process_that_has_it(tmp_path):
+    # Note [Reused pids]: in a pid namespace of its own (a user namespace makes it without privileges), where the test
+    # can give a new process the pid of a dead one; skipped where this kernel or policy allows no user namespaces
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_reused_pid.py")
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("needs util-linux's unshare (a pid namespace of its own, to reuse a pid)")
+    probe = subprocess.run([unshare, "--user", "--map-root-user", "--pid", "--fork", "--mount", "--mount-proc",
+                            "true"], capture_output=True, text=True, timeout=60)
+    if probe.returncode != 0:
+        pytest.skip(f"no user and pid namespaces here (unshare: {probe.stderr.strip()})")
+    got = subprocess.run([unshare, "--user", "--map-root-user", "--pid", "--fork", "--mount", "--mount-proc",
+                          sys.executable, script, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    if got.returncode != 0 and "SKIP: " in got.stderr:
+        pytest.skip(got.stderr.strip().rpartition("SKIP: ")[2])
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert not [n for n in os.listdir(tmp_path) if not n.startswith(".")], "segments left"

@@ -59,13 +59,30 @@ sender (dead or gone), but for a sender killed in the microseconds between addin
     reader --S sender-------> daemon: once no connection of the sender is left, sent[sender, reader] back
 
 A sender whose reader says when it has read all it will ever read from it (a Pool's worker: its pool reads every
-result a dead worker sent before settling the death) sends the ``T`` in the call that adds the count (the frame ready
+result a dead worker sent before settling the death) sends the ``T`` in the call adding the count (the frame ready
 and the socket drained first: the count, then one ``send``). ``T`` and ``A`` come on two sockets, in either order:
 the second matches the first. ``D`` replaces ``A`` where the reader maps the segment already and gives the count back
 itself. ``S`` gives back only once every connection of the sender was read to its end (its ``T`` frames all in); a
 ``T`` to a reader already done with its sender (connected, told and died between two reads of the daemon's) goes back
-at once; a failed message's count, by ``V reader:name``. A ``T`` costs the daemon one header read (Note [Booked
-counts]) and two dictionary updates.
+at once; a failed message's count, by ``V reader:name``. A ``T`` costs a header read and two dictionary updates.
+Pids are reused: Note [Reused pids].
+
+Note [Reused pids]
+~~~~~~~~~~~~~~~~~~
+Invariant: a reader's ``S`` (done with sender pid P) applies only to processes of pid P that started before the daemon
+read it; a process of pid P that connects later has its ``T`` frames booked as any sender's.
+
+Why: pids are reused (a long program runs many pools; the counter wraps at pid_max), and the daemon kept every reader's
+word for good: a new worker that had a dead one's pid had each result's count given back as it sent it, and its
+result's segment was unlinked before its pool could read it.
+
+How: ``S`` records when it was read (clock ticks since boot, the clock of a process's start time). A connection whose
+process started in a later tick (``_connected``, at accept) is another process: what its predecessor sent and that
+reader never took goes back then, and the reader's word is forgotten for the pid. A late connection of the process
+meant (started in the same tick or before; gone by its accept, no start time) is still the one the reader meant.
+
+Not covered: a process with a reused pid that started before the reader said so or in the same tick (within a few
+milliseconds of a worker's reap and its pool's ``S``), or that is gone before its connection is accepted.
 """
 
 from __future__ import annotations
@@ -106,8 +123,9 @@ class Books:
         self.sent: dict[tuple[int, int], dict[str, int]] = {}
         # takes ahead of their T, as claims wait (a D's connection is None: the reader gave that count back itself)
         self.taken_early: dict[tuple[int, int], dict[str, list[tuple[socket.socket | None, bool]]]] = {}
-        # sender -> readers done with it (kept: one of a dead sender's connections may be accepted late)
-        self.done: dict[int, set[int]] = {}
+        # sender -> {reader done with it: when it said so, clock ticks since boot} (kept: one of a dead sender's
+        # connections may be accepted late; forgotten when another process has its pid: Note [Reused pids])
+        self.done: dict[int, dict[int, int]] = {}
         self.pattern = _paths.group_pattern(self.uid, group)
 
     def _apply(self, conn: socket.socket, op: bytes, name: str) -> None:
@@ -115,7 +133,7 @@ class Books:
         if op == b"S":  # Note [Counts sent to a reader]
             sender = _number(name)
             if sender is not None:
-                self.done.setdefault(sender, set()).add(self.peers[conn])
+                self.done.setdefault(sender, {})[self.peers[conn]] = _paths.now_ticks()
                 self._settle_sent(sender)
             return
         peer = None
@@ -280,9 +298,27 @@ class Books:
         if pid in self.peers.values():
             return  # its T frames may still be in that socket: settled at its EOF
         for reader in self.done.get(pid, ()):
-            self.taken_early.pop((pid, reader), None)
-            for name, n in self.sent.pop((pid, reader), {}).items():
-                self._decref(name, n, "a pool worker died before it sent the result that named it")
+            self._give_back_sent(pid, reader)
+
+    def _give_back_sent(self, pid: int, reader: int) -> None:
+        self.taken_early.pop((pid, reader), None)
+        for name, n in self.sent.pop((pid, reader), {}).items():
+            self._decref(name, n, "a pool worker died before it sent the result that named it")
+
+    def _connected(self, conn: socket.socket, pid: int) -> None:
+        """A new client, process ``pid``. One that started after a reader said it was done with an earlier process of
+        that pid is another process: what that reader never took of the earlier one goes back now, and the reader's
+        word no longer applies to this pid (Note [Reused pids])."""
+        self.peers[conn] = pid
+        done = self.done.get(pid)
+        start = _paths.start_time(pid) if done else None
+        if start is None:  # (gone already: a late connection of the process the readers were done with, most often)
+            return
+        for reader in [reader for reader, when in done.items() if start > when]:
+            del done[reader]
+            self._give_back_sent(pid, reader)
+        if not done:
+            del self.done[pid]
 
     def _watch(self, child: tuple[int, int]) -> None:
         """Give ``child``'s given counts back when it dies (its pidfd turns readable; a zombie's is)."""

@@ -116,7 +116,7 @@ class Daemon(Books):
             return
         conn.setblocking(False)
         self.clients[conn] = bytearray()
-        self.peers[conn] = pid
+        self._connected(conn, pid)
         self.sel.register(conn, selectors.EVENT_READ)
 
     def _log_refusals(self) -> None:

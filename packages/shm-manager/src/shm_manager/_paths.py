@@ -71,6 +71,11 @@ def start_time(pid: int) -> int | None:
     return None if got is None else got[1]
 
 
+def now_ticks() -> int:
+    """Now, in the clock of :func:`start_time` (clock ticks since boot)."""
+    return time.clock_gettime_ns(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK") // 1_000_000_000
+
+
 def parent_and_start(pid: int) -> tuple[int, int] | None:
     """``(parent pid, start time)`` of ``pid`` (fields 4 and 22 of /proc/<pid>/stat; a zombie has both), or None
     when it is gone."""
