@@ -69,8 +69,8 @@ Pids are reused: Note [Reused pids].
 
 Note [Reused pids]
 ~~~~~~~~~~~~~~~~~~
-Invariant: a reader's ``S`` (done with sender pid P) applies only to processes of pid P that started before the daemon
-read it; a process of pid P that connects later has its ``T`` frames booked as any sender's.
+Invariant: a reader's ``S`` (done with sender pid P) applies only to processes of pid P that started no later than the
+clock tick in which the daemon read it; a process of pid P that started after has its ``T`` frames booked as any.
 
 Why: pids are reused (a long program runs many pools; the counter wraps at pid_max), and the daemon kept every reader's
 word for good: a new worker that had a dead one's pid had each result's count given back as it sent it, and its
@@ -78,8 +78,8 @@ result's segment was unlinked before its pool could read it.
 
 How: ``S`` records when it was read (clock ticks since boot, the clock of a process's start time). A connection whose
 process started in a later tick (``_connected``, at accept) is another process: what its predecessor sent and that
-reader never took goes back then, and the reader's word is forgotten for the pid. A late connection of the process
-meant (started in the same tick or before; gone by its accept, no start time) is still the one the reader meant.
+reader never took goes back then, and the reader's word is forgotten for the pid. A late connection of the earlier
+process (started in that tick or before, or gone by its accept: no start time) still counts as the one meant.
 
 Not covered: a process with a reused pid that started before the reader said so or in the same tick (within a few
 milliseconds of a worker's reap and its pool's ``S``), or that is gone before its connection is accepted.
