@@ -138,7 +138,7 @@ class ResultHandler:
         self.short = self.slots.short._reader._sock
         self.frames = memoryview(bytearray(SHORT_READ * SHORT_MAX))
         self.stopping = False
-        self.started: set[int] = set()
+        self.started = self.slots.started
         self.start_errors: dict[int, BaseException] = {}
         self.start_failures = 0  # slots Note [start failures]
         # taken, not opened yet (_channel Note [opening named segments])

@@ -15,8 +15,9 @@ those queued to the replacement. The result handler settles the record once it h
 outqueue (where all the dead worker's messages are by then): its first task still unfinished fails with WorkerLostError
 (or TaskTimeoutError: watchdog Note [task timeouts]), the others are ready again, first in line. With no task ready, an
 idle slot takes, unchanged, another slot's message not taken yet (told by its bytes; a receive that finds nothing moves
-nothing), even one a starting worker would hold. Stop sentinels go only once no task is unfinished (close), or at
-terminate, which drains the slots' messages (each unpickled, to give back the shared memory it names).
+nothing), even one a starting worker would hold (see ``_send_ready``). Stop sentinels go only once no task is
+unfinished (close), or at terminate, which drains the slots' messages (each unpickled, to give back the shared memory
+it names).
 
 Note [batches]
 ~~~~~~~~~~~~~~
@@ -91,6 +92,8 @@ class Slots:
         self.broken: BaseException | None = None  # every unfinished and later task fails with it
         self.clock = Clock(processes)  # clock Note [task clock]
         self.senders: set[int] = set()  # workers started, not yet done with (_message Note [results told])
+        # workers that said STARTED, until their death is settled (the result handler's): tasks go to them first
+        self.started: set[int] = set()
 
     def put(self, task) -> None:
         """Pickle ``task`` (job, i, func, args, kwds) and add it to the ready ones (sent at once if a slot has room,
@@ -133,13 +136,19 @@ class Slots:
 
     def _send_ready(self, take_back: bool = True) -> None:
         """Send ready tasks to the active slots holding fewest unfinished messages while they hold fewer than DEPTH
-        (the lock held), each message one task or a batch (Note [batches]); with none ready, move to a slot holding
-        none a message queued behind a running one (unless ``take_back`` is False: ``balance`` does it later)."""
-        while True:
-            lengths = list(map(len, self.sent[:self.active]))
+        (the lock held; among those, a started worker's first), each message one task or a batch (Note [batches]);
+        with none ready, move to a slot holding none a message queued behind a running one or for a worker that
+        takes none (unless ``take_back`` is False: ``balance`` does it later), but not after sending one: it went to
+        a slot holding fewest, whose worker takes it at once if idle (moving it then cost every call a round trip:
+        a message sent, taken back and sent again before its worker woke; a starting worker's is moved when
+        another says STARTED, by ``balance``)."""
+        sent_one = False
+        while True:  # (fewest unfinished, a started worker's first)
+            lengths = [(len(sent), w is None or w.pid not in self.started)
+                       for sent, w in zip(self.sent[:self.active], self.workers[:self.active], strict=True)]
             k = lengths.index(min(lengths))
             if not self.ready:
-                if take_back and not self.sent[k]:
+                if take_back and not sent_one and not self.sent[k]:
                     self._take_back(k)
                 return
             if len(self.sent[k]) >= DEPTH:
@@ -162,6 +171,7 @@ class Slots:
                     packet.discard()
                     self.failed.append((*task, e))
                 continue
+            sent_one = True
             size = sum(memoryview(b).nbytes for b in buffers)
             tasks = collections.deque(task for task, _, _ in items)
             self.sent[k].append([tasks, size, items])
