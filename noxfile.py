@@ -21,6 +21,7 @@ import pwd
 import shutil
 import tarfile
 import tempfile
+import time
 import zipfile
 
 import nox
@@ -212,13 +213,22 @@ def _python_for_others(session: nox.Session) -> str:
 
 
 def _end_user_processes(uid: int) -> None:
-    """SIGKILL every process left running as ``uid`` (by pid), so that the user can be removed."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.stat(f"/proc/{pid}").st_uid == uid:
-                os.kill(int(pid), 9)
-        except OSError:
-            pass
+    """SIGKILL every process left running as ``uid`` (by pid), and wait until they are gone (up to 30 s), so that
+    the user can be removed: userdel refuses while one is left (exit 8), and a killed process takes a moment to exit
+    and be reaped (a daemon of ours lingering after the last suite failed a CI run so)."""
+    deadline = time.monotonic() + 30
+    while True:
+        left = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if os.stat(f"/proc/{pid}").st_uid == uid:
+                    os.kill(int(pid), 9)
+                    left.append(pid)
+            except OSError:
+                pass
+        if not left or time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
 
 
 def _cpython_suite(session: nox.Session, harness: str) -> None:
