@@ -215,17 +215,22 @@ def _python_for_others(session: nox.Session) -> str:
 def _end_user_processes(uid: int) -> None:
     """SIGKILL every process left running as ``uid`` (by pid), and wait until they are gone (up to 30 s), so that
     the user can be removed: userdel refuses while one is left (exit 8), and a killed process takes a moment to exit
-    and be reaped (a daemon of ours lingering after the last suite failed a CI run so)."""
-    deadline = time.monotonic() + 30
+    and be reaped (a process left running at the end failed a CI run so)."""
+    deadline, told = time.monotonic() + 30, False
     while True:
         left = []
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
                 if os.stat(f"/proc/{pid}").st_uid == uid:
+                    if not told:  # (what the suites left running: an orphan of ours would show here)
+                        with open(f"/proc/{pid}/cmdline", "rb") as f:
+                            command = f.read().replace(b"\0", b" ")[:200]
+                        print(f"nonroot: ending pid {pid} left running: {command!r}")
                     os.kill(int(pid), 9)
                     left.append(pid)
             except OSError:
                 pass
+        told = True
         if not left or time.monotonic() > deadline:
             return
         time.sleep(0.05)
