@@ -1,15 +1,14 @@
 """Functions run in child processes (importable under spawn and forkserver)."""
 
-import fcntl
 import os
 import pickle
-import struct
-import termios
 import time
 
 import mp_reductions as mpr
 import numpy as np
-from _views import via_shared_memory
+import shm_core
+import shm_manager
+from _views import segment_under, via_shared_memory
 
 
 def fill_from_queue(q, done, value):
@@ -171,29 +170,30 @@ def wait_under_default_timeout(q, sq, inbox, out):
 
 def load_twice(data):
     """Unpickle the same message twice: a replay (or a forged copy) of a named handle. Between the two, wait until
-    the daemon has read this process's hold of the first (its socket's queue empty) and a little more (it reads the
-    header some 100 us after), so that it most often books the hold before the replay takes the in-flight count off
-    the header: the order in which a replay unlinks the segment under its sender (shm_manager Note [Booked counts];
-    in the other order the daemon books nothing, and the count stays right)."""
+    the daemon has applied this process's hold of the first, so that it books the hold before the replay takes the
+    in-flight count off the header: the order in which a replay unlinks the segment under its sender (shm_manager
+    Note [Booked counts]; in the other order the daemon books nothing, and the count stays right)."""
     mpr.init_reductions()
     first = pickle.loads(data)
-    deadline = time.monotonic() + 30
-    while _unread_by_daemon() and time.monotonic() < deadline:
-        time.sleep(0.001)
-    time.sleep(0.05)
+    _daemon_got_here(segment_under(first).dir)
     second = pickle.loads(data)
     assert first[0] == second[0]
 
 
-def _unread_by_daemon() -> int:
-    """Bytes this process sent its daemons that they have not read yet (SIOCOUTQ of each connection)."""
-    from shm_manager import _client
-    unread = 0
-    with _client._lock:
-        for c in _client._conns.values():
-            if c.sock is not None:
-                unread += len(c.pending) + struct.unpack("i", fcntl.ioctl(c.sock, termios.TIOCOUTQ, b"\0" * 4))[0]
-    return unread
+def _daemon_got_here(dir: str) -> None:
+    """Wait until the daemon has applied every frame this process sent it for ``dir``: it applies a connection's
+    frames in order, and unlinks a marker segment of ours, held and then released on that connection, only when it
+    gets to the release."""
+    mark = shm_core.create(4096, name=shm_manager.new_name(), dir=dir)
+    shm_manager.register(mark.name, dir)
+    shm_manager.hold(mark.name, dir)
+    mark.incref()
+    assert shm_manager.release(mark.name, dir)
+    deadline = time.monotonic() + 30
+    while os.path.exists(mark.path):
+        assert time.monotonic() < deadline, "the daemon never got to this process's frames"
+        time.sleep(0.001)
+    mark.close()
 
 
 def load_and_report(data, out):

@@ -594,8 +594,8 @@ def test_a_replayed_named_handle_is_named_as_a_cause():
     # issue 20: the same pickled bytes received twice take a count never owned. Where the daemon booked the first
     # receipt's hold before the replay took the in-flight count off the header (shm_manager Note [Booked counts]),
     # the receiver's end gives back a count its sender still needs and the segment is unlinked while the sender
-    # holds it: the next receiver must be told that a replay is a cause. In the other order (a daemon slower than
-    # the replay) the daemon books nothing and the count stays right: the next receiver maps the sender's array.
+    # holds it: the next receiver must be told that a replay is a cause (the order load_twice waits for). In the other
+    # order the daemon books nothing and the count stays right: the next receiver maps the sender's array.
     ctx = multiprocessing.get_context("spawn")
     mpr.set_sharing_strategy("file_system")
     try:

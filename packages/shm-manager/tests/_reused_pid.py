@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import shm_manager  # noqa: E402
 from conftest import wait_until  # noqa: E402
+from shm_manager import _paths  # noqa: E402
 from test_given_at_fork import made  # noqa: E402
 from test_sent_to_reader import killed, released_and_gone, told_by_a_child  # noqa: E402
 
@@ -46,7 +46,8 @@ def main(d: str) -> None:
     killed(pid, r)
     shm_manager.done_with([pid])
     wait_until(lambda: seg.refcount == 1, 5, "the daemon to give back the count the dead sender told")
-    time.sleep(2 / os.sysconf("SC_CLK_TCK"))  # the next process starts a clock tick after the reader's word at least
+    said = _paths.now_ticks()  # (the daemon read the reader's word by then)
+    wait_until(lambda: _paths.now_ticks() > said, 5, "the next clock tick")  # the next process starts in a later one
     again, r, mark = tell_then_mark(seg, d, pid)  # the next process of that pid
     if again != pid:
         sys.exit(f"SKIP: pid {pid} was taken before the fork (got {again})")

@@ -157,10 +157,10 @@ class Queue(mp_queues.Queue, Generic[_T]):
 
     @staticmethod
     def _on_queue_feeder_error(e: Exception, obj: object) -> None:
-        """The stdlib's feeder hook (undocumented): ours raises at ``put`` instead; a subclass written for the
-        stdlib that overrides it gets it called with ``(e, obj)`` and the item dropped, as the stdlib's feeder
-        does. Ours, not the stdlib's: nothing of it is looked up there."""
-        raise e
+        """The stdlib's feeder hook (undocumented), ours: ``put`` raises instead of calling this one; a subclass
+        written for the stdlib that overrides it gets it called with ``(e, obj)`` and the item dropped, as the
+        stdlib's feeder does, and its ``super()`` call prints the traceback, as the stdlib's does."""
+        traceback.print_exc()
 
     def __init__(self, maxsize: int = 0, *, ctx: Any = None) -> None:
         if maxsize <= 0:

@@ -143,10 +143,10 @@ class Slots:
         a message sent, taken back and sent again before its worker woke; a starting worker's is moved when
         another says STARTED, by ``balance``)."""
         sent_one = False
-        while True:  # (fewest unfinished, a started worker's first)
-            lengths = [(len(sent), w is None or w.pid not in self.started)
-                       for sent, w in zip(self.sent[:self.active], self.workers[:self.active], strict=True)]
-            k = lengths.index(min(lengths))
+        while True:
+            lengths = list(map(len, self.sent[:self.active]))
+            least = min(lengths)
+            k = next((i for i, n in enumerate(lengths) if n == least and self._started(i)), lengths.index(least))
             if not self.ready:
                 if take_back and not sent_one and not self.sent[k]:
                     self._take_back(k)
@@ -177,6 +177,11 @@ class Slots:
             self.sent[k].append([tasks, size, items])
             for task in tasks:
                 self.owner[task] = k
+
+    def _started(self, k: int) -> bool:
+        """Slot ``k``'s worker said STARTED."""
+        w = self.workers[k]
+        return w is not None and w.pid in self.started
 
     def _take_batch(self, n: int) -> list[tuple]:
         """The ready tasks for the next message (the lock held): one that goes alone, or up to ``n`` that may be
