@@ -509,6 +509,38 @@ class SpawnSuite:
             driver.wait(timeout=WAIT_S)
             kill_survivors(daemon)
 
+    def test_a_supervisor_that_dies_just_after_its_child_leaves_no_error_directory(self, tmp_path):
+        # The kernel kills the child (PR_SET_PDEATHSIG) when the supervisor's forking thread exits, before its main
+        # thread has: the group reaper can find the supervisor alive and dying. Here the supervisor is stopped (it
+        # cannot clean up) when its child dies, and killed a second later: the reaper must still remove the directory.
+        tmp = tmp_path / "tmp"
+        tmp.mkdir()
+        env = dict(os.environ, TMPDIR=str(tmp),
+                   PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
+        code = f"import _spawn_targets as t; t.session_daemon_driver({str(tmp_path)!r}, {self.start_method!r})"
+        driver = subprocess.Popen([sys.executable, "-c", code], env=env)
+        daemon: dict[int, int] = {}
+        try:
+            path = tmp_path / "session.json"
+            wait_for(path.exists, what="the child and its session daemon")
+            pids = json.loads(path.read_text())
+            daemon = {pids["daemon"]: proc_state(pids["daemon"])[1]}
+            child = {pids["child"]: proc_state(pids["child"])[1]}
+            os.kill(driver.pid, signal.SIGSTOP)
+            kill_all(child)
+            assert still_alive_after(child, DEATH_DEADLINE_S) == []
+            time.sleep(1.0)  # the reaper has seen its child go and its supervisor alive
+            assert [p.name for p in tmp.iterdir() if p.name.startswith("mp_spawn-")], "the stopped supervisor's " \
+                "error directory went while it lived"
+            driver.kill()
+            driver.wait(timeout=WAIT_S)
+            wait_for(lambda: not [p for p in tmp.iterdir() if p.name.startswith("mp_spawn-")],
+                     seconds=10, what="the error directory to go")
+        finally:
+            driver.kill()
+            driver.wait(timeout=WAIT_S)
+            kill_survivors(daemon)
+
     @pytest.mark.parametrize("payload", [0, 4 * 1024 * 1024], ids=["small-args", "args-larger-than-a-pipe"])
     def test_script_without_main_guard_is_told_so(self, tmp_path, payload):
         # spawn and forkserver children import the main module again: a script

@@ -121,6 +121,8 @@ _POLL_INTERVAL_S = 0.2
 # How long the group reaper lets a dead child's group handle SIGTERM before it sends SIGKILL.
 _GROUP_GRACE_S = 1.0
 _GROUP_POLL_INTERVAL_S = 0.05
+# How long the group reaper of a dead child waits for its supervisor to finish dying (``_died_without_cleaning_up``).
+_SUPERVISOR_EXIT_S = 5.0
 # The command lines of the cleanup daemons the group reaper lets finish (Note [cleanup daemons]):
 # an argument that follows the flag starts with the prefix.
 _CLEANUP_DAEMONS = (
@@ -400,8 +402,24 @@ def _reap_group(leader: int, started: int | None, supervisor: tuple[int, int | N
     try:
         _end_group(leader, started)
     finally:
-        if supervisor is not None and not is_alive(supervisor[0], supervisor[1]):
+        if supervisor is not None and _died_without_cleaning_up(*supervisor):
             _remove_error_dir(supervisor[2])
+
+
+def _died_without_cleaning_up(pid: int, started: int | None, error_dir: str) -> bool:
+    """Whether the supervisor is gone, leaving ``error_dir``: waits up to ``_SUPERVISOR_EXIT_S`` while it lives and
+    the directory is there.
+
+    Its death may not show yet: the kernel sends PR_SET_PDEATHSIG when the supervisor's *forking thread* exits, and
+    its other threads (the main one, whose state ``/proc/<pid>/stat`` shows) exit after, each when it gets a CPU. A
+    supervisor that lives on removes the directory itself once it has joined every child.
+    """
+    deadline = time.monotonic() + _SUPERVISOR_EXIT_S
+    while is_alive(pid, started):
+        if not os.path.lexists(error_dir) or time.monotonic() >= deadline:
+            return False
+        time.sleep(_GROUP_POLL_INTERVAL_S)
+    return True
 
 
 def _remove_error_dir(path: str) -> None:
