@@ -56,11 +56,12 @@ def reduce_ndarray(arr: np.ndarray, own: bool = False):
     """The reduction of a numpy array (registered for ``numpy.ndarray`` itself). ``own``: ``arr`` is a copy made for
     this message (a transport's: ``message_copies``), its receiver's own (_shared Note [own arrays])."""
     ctx = tls.ctx
-    if type(ctx) is Outgoing and arr.base is None and arr.nbytes < get_inline_threshold() \
-            and (not _shared.owned or arr.nbytes < _alloc.THRESHOLD) and not arr.dtype.hasobject:
+    n = arr.nbytes
+    if type(ctx) is Outgoing and arr.base is None and n < get_inline_threshold() \
+            and (n < _alloc.THRESHOLD or not _shared.owned) and not arr.dtype.hasobject:
         ctx.arrays += 1
         ctx.arrays_inline += 1
-        ctx.bytes_inline += arr.nbytes
+        ctx.bytes_inline += n
         return _inline(arr)  # small, numpy's own memory: in no segment (Note [small arrays])
     if arr.dtype.hasobject:
         return arr.__reduce__()
@@ -145,7 +146,7 @@ def _count_inline(out: Outgoing | None, nbytes: int) -> None:
 
 
 def _inline(arr: np.ndarray) -> tuple:
-    if arr.flags.writeable and arr.dtype.isnative:  # numpy's own, as the stdlib sends it (Note [small arrays])
+    if arr.dtype.isnative and arr.flags.writeable:  # numpy's own, as the stdlib sends it (Note [small arrays])
         return arr.__reduce__()
     order = _arrays.copy_order(arr)
     return rebuild_inline, (arr.tobytes(order), _dtype(arr.dtype), arr.shape, order, _readonly(arr))
