@@ -168,13 +168,13 @@ def main(n: int = 5000, repeat: int = 5, workers: int = 2, methods=METHODS) -> i
           "(time: < 1 is faster)")
     default = multiprocessing.get_all_start_methods()[0]  # (the stdlib lists its default first)
     print(f"this Python's default start method: {default}")
-    print("| workload | " + " | ".join(f"{m}: stdlib s | arraymp s | ratio" for m in methods) + " |")
+    print("| workload | " + " | ".join(f"{m}: stdlib ms | arraymp ms | ratio" for m in methods) + " |")
     print("|---|" + "---|---|---|" * len(methods))
     rows: dict[str, list[str]] = {}
     msgs: dict[str, list[str]] = {}
     for method in methods:
         for name, (s, o) in tasks(method, n, max(repeat, 5), workers).items():
-            rows.setdefault(name, []).append(f"{s:.3f} | {o:.3f} | {o / s:.2f}")
+            rows.setdefault(name, []).append(f"{s * 1e3:.2f} | {o * 1e3:.2f} | {o / s:.2f}")
         for name, (s, o) in messages(method, 2000, max(repeat, 5)).items():
             msgs.setdefault(name, []).append(f"{s:.0f} | {o:.0f} | {o / s:.2f}")
     for name, cells in rows.items():
