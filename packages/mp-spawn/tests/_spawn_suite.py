@@ -146,6 +146,11 @@ def announced_descendants(directory, count: int) -> dict[int, int]:
     return started
 
 
+def error_dirs(tmp) -> list[str]:
+    """The mp_spawn error directories in ``tmp``."""
+    return [p.name for p in tmp.iterdir() if p.name.startswith("mp_spawn-")]
+
+
 def kill_survivors(started: dict[int, int]) -> None:
     """SIGKILL those of ``started`` still alive (and still the same processes)."""
     kill_all(pid for pid, start in started.items() if alive(pid, start))
@@ -479,11 +484,10 @@ class SpawnSuite:
                 daemon = {pid: proc_state(pid)[1]} if proc_state(pid) else {}
             kill_survivors(daemon)
 
-    def test_a_killed_supervisor_spares_a_daemon_that_left_the_group_and_leaves_no_error_directory(self, tmp_path):
-        # One rule under every start method (Note [process groups]): what leaves the child's group is never killed,
-        # whether PR_SET_PDEATHSIG (fork, spawn) or the watchdog (forkserver) ends the child. And the children's group
-        # reapers remove the supervisor's error directory (the next run in the same TMPDIR would, too late for a user
-        # who looks at /tmp after a killed job).
+    @contextlib.contextmanager
+    def _session_daemon_run(self, tmp_path):
+        """A supervisor (``driver``) of one child that started a session daemon, with a TMPDIR of its own (``tmp``),
+        its error directory made: yields (driver, tmp, the child's {pid: start time}, the daemon's); ends them all."""
         tmp = tmp_path / "tmp"
         tmp.mkdir()
         env = dict(os.environ, TMPDIR=str(tmp),
@@ -497,49 +501,38 @@ class SpawnSuite:
             pids = json.loads(path.read_text())
             daemon = {pids["daemon"]: proc_state(pids["daemon"])[1]}
             child = {pids["child"]: proc_state(pids["child"])[1]}
-            assert [p.name for p in tmp.iterdir() if p.name.startswith("mp_spawn-")], "no error directory was made"
-            driver.kill()
-            driver.wait(timeout=WAIT_S)
-            assert still_alive_after(child, DEATH_DEADLINE_S) == []
-            assert still_alive_after(daemon, 0.5) == list(daemon), "a daemon that left the group was killed"
-            wait_for(lambda: not [p for p in tmp.iterdir() if p.name.startswith("mp_spawn-")],
-                     seconds=10, what="the error directory to go")
+            assert error_dirs(tmp), "no error directory was made"
+            yield driver, tmp, child, daemon
         finally:
             driver.kill()
             driver.wait(timeout=WAIT_S)
             kill_survivors(daemon)
 
+    def test_a_killed_supervisor_spares_a_daemon_that_left_the_group_and_leaves_no_error_directory(self, tmp_path):
+        # One rule under every start method (Note [process groups]): what leaves the child's group is never killed,
+        # whether PR_SET_PDEATHSIG (fork, spawn) or the watchdog (forkserver) ends the child. And the children's group
+        # reapers remove the supervisor's error directory (the next run in the same TMPDIR would, too late for a user
+        # who looks at /tmp after a killed job).
+        with self._session_daemon_run(tmp_path) as (driver, tmp, child, daemon):
+            driver.kill()
+            driver.wait(timeout=WAIT_S)
+            assert still_alive_after(child, DEATH_DEADLINE_S) == []
+            assert still_alive_after(daemon, 0.5) == list(daemon), "a daemon that left the group was killed"
+            wait_for(lambda: not error_dirs(tmp), seconds=10, what="the error directory to go")
+
     def test_a_supervisor_that_dies_just_after_its_child_leaves_no_error_directory(self, tmp_path):
         # The kernel kills the child (PR_SET_PDEATHSIG) when the supervisor's forking thread exits, before its main
         # thread has: the group reaper can find the supervisor alive and dying. Here the supervisor is stopped (it
         # cannot clean up) when its child dies, and killed a second later: the reaper must still remove the directory.
-        tmp = tmp_path / "tmp"
-        tmp.mkdir()
-        env = dict(os.environ, TMPDIR=str(tmp),
-                   PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
-        code = f"import _spawn_targets as t; t.session_daemon_driver({str(tmp_path)!r}, {self.start_method!r})"
-        driver = subprocess.Popen([sys.executable, "-c", code], env=env)
-        daemon: dict[int, int] = {}
-        try:
-            path = tmp_path / "session.json"
-            wait_for(path.exists, what="the child and its session daemon")
-            pids = json.loads(path.read_text())
-            daemon = {pids["daemon"]: proc_state(pids["daemon"])[1]}
-            child = {pids["child"]: proc_state(pids["child"])[1]}
+        with self._session_daemon_run(tmp_path) as (driver, tmp, child, daemon):
             os.kill(driver.pid, signal.SIGSTOP)
             kill_all(child)
             assert still_alive_after(child, DEATH_DEADLINE_S) == []
             time.sleep(1.0)  # the reaper has seen its child go and its supervisor alive
-            assert [p.name for p in tmp.iterdir() if p.name.startswith("mp_spawn-")], "the stopped supervisor's " \
-                "error directory went while it lived"
+            assert error_dirs(tmp), "the stopped supervisor's error directory went while it lived"
             driver.kill()
             driver.wait(timeout=WAIT_S)
-            wait_for(lambda: not [p for p in tmp.iterdir() if p.name.startswith("mp_spawn-")],
-                     seconds=10, what="the error directory to go")
-        finally:
-            driver.kill()
-            driver.wait(timeout=WAIT_S)
-            kill_survivors(daemon)
+            wait_for(lambda: not error_dirs(tmp), seconds=10, what="the error directory to go")
 
     @pytest.mark.parametrize("payload", [0, 4 * 1024 * 1024], ids=["small-args", "args-larger-than-a-pipe"])
     def test_script_without_main_guard_is_told_so(self, tmp_path, payload):
