@@ -18,14 +18,16 @@ from test import _test_multiprocessing as T
 
 MODE = os.environ.get("ARRAYMP_SUITE_MODE", "stdlib")
 METHOD = os.environ.get("ARRAYMP_SUITE_METHOD", "spawn")
-# the "processes" flavour of the classes that touch queues, pipes, connections, pools, contexts and processes
+# the "processes" flavour of the classes that touch queues, pipes, connections, pools, contexts and processes, in
+# the order they run: TestSubstituted first, TestStartMethod last (3.14's test_spawn_dont_set_context leaves the
+# start method unset, so the classes after it ran under the default one, forkserver, in the fork and spawn runs)
 SELECTED = (
-    "WithProcessesTestProcess", "WithProcessesTestSubclassingProcess", "WithProcessesTestQueue",
+    "TestSubstituted", "WithProcessesTestProcess", "WithProcessesTestSubclassingProcess", "WithProcessesTestQueue",
     "WithProcessesTestPool", "WithProcessesTestPoolWorkerErrors", "WithProcessesTestPoolWorkerLifetime",
     "WithProcessesTestConnection", "WithProcessesTestListenerClient", "WithProcessesTestPoll",
     "WithProcessesTestPicklingConnections", "WithProcessesTestPollEintr", "TestWait", "TestTimeouts",
-    "TestSimpleQueue", "TestPoolNotLeakOnFailure", "TestInitializers", "TestStartMethod", "TestIgnoreEINTR",
-    "TestCloseFds", "TestResourceTracker", "TestInvalidHandle", "MiscTestCase", "TestSubstituted",
+    "TestSimpleQueue", "TestPoolNotLeakOnFailure", "TestInitializers", "TestIgnoreEINTR", "TestCloseFds",
+    "TestResourceTracker", "TestInvalidHandle", "MiscTestCase", "TestStartMethod",
 )
 
 
