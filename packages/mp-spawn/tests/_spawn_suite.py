@@ -146,6 +146,14 @@ def announced_descendants(directory, count: int) -> dict[int, int]:
     return started
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read()
+    except OSError:
+        return b""
+
+
 def error_dirs(tmp) -> list[str]:
     """The mp_spawn error directories in ``tmp``."""
     return [p.name for p in tmp.iterdir() if p.name.startswith("mp_spawn-")]
@@ -525,10 +533,15 @@ class SpawnSuite:
         # thread has: the group reaper can find the supervisor alive and dying. Here the supervisor is stopped (it
         # cannot clean up) when its child dies, and killed a second later: the reaper must still remove the directory.
         with self._session_daemon_run(tmp_path) as (driver, tmp, child, daemon):
+            (pid,) = child
+            reaper = {p: proc_state(p)[1] for p in descendants_of(pid) if b"_deathsig.py" in _cmdline(p)}
+            assert reaper, "no group reaper found"
             os.kill(driver.pid, signal.SIGSTOP)
             kill_all(child)
             assert still_alive_after(child, DEATH_DEADLINE_S) == []
-            time.sleep(1.0)  # the reaper has seen its child go and its supervisor alive
+            # The reaper finds its supervisor alive: it leaves at once, the directory kept (the bug), or waits for
+            # the supervisor to die (well within _SUPERVISOR_EXIT_S: the supervisor is killed after this).
+            still_alive_after(reaper, 2.5)
             assert error_dirs(tmp), "the stopped supervisor's error directory went while it lived"
             driver.kill()
             driver.wait(timeout=WAIT_S)

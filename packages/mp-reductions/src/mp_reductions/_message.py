@@ -55,7 +55,7 @@ import shm_core
 import shm_manager
 
 from . import _arrays, _attach, _recycle, _shared, _stats
-from ._strategy import get_inline_threshold, get_sharing_strategy
+from ._strategy import get_sharing_strategy
 
 MAX_FDS = 250  # the kernel passes at most 253 descriptors in one message (SCM_MAX_FD)
 
@@ -197,16 +197,11 @@ class Outgoing:
             c[_stats.BYTES_COPIED] += arr.nbytes
         return entry[1]
 
-    def out_of_band(self, buf) -> bool:
-        """The pickler's ``buffer_callback``: False (out of band, into the message's spill) for a contiguous
-        buffer of at least the inline threshold, True (in the pickle) for any other."""
-        try:
-            raw = buf.raw()
-        except BufferError:  # not contiguous: in band, where pickle raises as the stdlib's does
-            return True
+    def out_of_band(self, buf, raw: memoryview) -> bool:
+        """The pickler's ``buffer_callback`` for ``buf``, contiguous (``raw``: its bytes), of at least the inline
+        threshold and of a type that may go out of band (``_pickling._out_of_band`` tests those): False (out of band,
+        into the message's spill), or True (in the pickle) where shared memory is full."""
         n = raw.nbytes
-        if n < get_inline_threshold():
-            return True
         if self.copy_inline:  # meant for shared memory, which is full (_stats Note [sharing stopped])
             self.arrays += 1
             self.fallbacks += 1

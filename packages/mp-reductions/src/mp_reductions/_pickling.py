@@ -30,8 +30,10 @@ def _reducer_override(obj):
     containers, before it looks in the dispatch table: an array (the commonest object of a message: a dict of 50
     small ones cost 1.2x the stdlib's pickle) goes to the table's reducer from here, a lookup and a call fewer; a
     function or class a receiver could not import goes by value (_byvalue Note [by value])."""
-    if type(obj) is np.ndarray and _Pickler.array_reducer is not None:
-        return _Pickler.array_reducer(obj)
+    if type(obj) is np.ndarray:
+        reduce = _Pickler.array_reducer
+        if reduce is not None:
+            return reduce(obj)
     return _byvalue.reducer_override(obj)
 
 
@@ -246,12 +248,12 @@ def _out_of_band(buf) -> bool:
     except BufferError:  # not contiguous: in band, where pickle raises as the stdlib's does
         return True
     if raw.nbytes < get_inline_threshold():
-        return True  # in band whatever its type (Outgoing.out_of_band's first test, made before the type's)
+        return True  # small: in band whatever its type
     exporter = raw.obj
     kind = type(exporter)
     if not (isinstance(exporter, np.ndarray) or (kind.__name__ == "Buffer" and kind.__module__.startswith("pyarrow"))):
         return True
-    return tls.ctx.out_of_band(buf)
+    return tls.ctx.out_of_band(buf, raw)
 
 
 # Note [spilled pickles]
