@@ -119,6 +119,12 @@ class Run:
         self.pids: set[int] = {os.getpid()}
         self.lock = threading.Lock()
 
+    def wrong(self, where: str, seq: int) -> None:
+        """An array that arrived with other values than sent (lock held): counted, the first few named."""
+        self.figures["wrong"] += 1
+        if self.figures["wrong"] <= 5:
+            self.figures.setdefault("wrong_at", []).append(f"{where}, sequence number {seq}")
+
     # -- the pool, in a thread of this process
     def call(self, pool, seq: int) -> int:
         kind = self.rng.choice(["map", "imap_unordered", "apply_async"])
@@ -150,7 +156,11 @@ class Run:
             f["longest_call"] = max(f["longest_call"], took)
             f["lost_tasks"] += lost
             f["arrays_checked"] += 2 * len(got)
-            f["wrong"] += sum(not ok for ok, _ in got) + sum(not check(res) for _, res in got)
+            for ok, res in got:
+                if not ok:
+                    self.wrong(f"{kind} argument", res[0])
+                if not check(res):
+                    self.wrong(f"{kind} result (its element 0: {res[1][0]})", res[0])
         return seq + n
 
     def pool_loop(self, pool, stop: threading.Event) -> None:
@@ -193,7 +203,8 @@ class Run:
                     return
                 with self.lock:
                     self.figures["arrays_checked"] += 1
-                    self.figures["wrong"] += not ok
+                    if not ok:
+                        self.wrong(role, seq)
                 if role == "sink":
                     seen_at_sink.add(seq)
 

@@ -69,6 +69,44 @@ def test_a_fork_child_dropping_an_inherited_array_keeps_the_parents_data(strateg
         cmd.close()
 
 
+def test_a_segment_privatized_at_a_fork_is_never_viewed_for_a_new_message(strategy, monkeypatch):
+    # Note [privatized segments]: the parent's own array (a producer's copy) goes private at a fork, which gives the
+    # producer's segment back, and the producer puts its next array into it at once. A thread that receives that
+    # array while the fork's hook is still at work must map the segment again, never view the private copy (the old
+    # values: the soak's wrong Pool results). The hook is held open here until that thread is done, or for 2 s
+    cmd, q = fork.Queue(), mpr.Queue()
+    producer = fork.Process(target=_producer, args=(cmd, q))
+    producer.start()
+    privatize, received, threads = shm_core.Segment.privatize, [], []
+
+    def privatize_then_receive(seg):
+        privatize(seg)
+        if not threads:
+            cmd.put(2)
+            threads.append(threading.Thread(target=lambda: received.append(q.get(timeout=60))))
+            threads[0].start()
+            threads[0].join(2)
+
+    try:
+        cmd.put(1)
+        held = q.get(timeout=60)
+        assert via_shared_memory(held)
+        monkeypatch.setattr(shm_core.Segment, "privatize", privatize_then_receive)
+        c = fork.Process(target=_collect)
+        c.start()
+        monkeypatch.undo()
+        c.join(60)
+        assert threads, "the fork privatized nothing"
+        threads[0].join(60)
+        assert received[0].min() == received[0].max() == 2.0, "a new message viewed the privatized copy"
+        assert held.min() == held.max() == 1.0
+    finally:
+        cmd.put(None)
+        producer.join(60)
+        q.close()
+        cmd.close()
+
+
 def _words(seg, block, named, expected=None):
     """The views word, the block's count and (file_system) the refcount; with ``expected``, once they read so (a
     named count comes back through shm-manager's daemon) or 10 s have passed."""

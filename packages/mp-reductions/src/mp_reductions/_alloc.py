@@ -60,8 +60,9 @@ doubles its copy does not double the parent's.
 How: before every fork (an at-fork hook, which runs before _shared's: it was registered after it), each live
 born-private allocation is *privatized*: its mapping is replaced, at the same address, by private anonymous memory
 holding a copy (``Mapping.privatize``: one memcpy and an mremap), the file's views word is given back, the segment
-leaves the table and its descriptor is closed. From then on it is ordinary process memory, in the parent and
-(copy-on-write) in the child: kind PRIVATIZED, never moved, never pooled; numpy's free unmaps it.
+leaves the table in the same step (_shared Note [privatized segments]) and its descriptor is closed. From then on it
+is ordinary process memory, in the parent and (copy-on-write) in the child: kind PRIVATIZED, never moved, never
+pooled; numpy's free unmaps it.
 
 Not covered: a write made by another thread of the parent between the copy and the mremap is lost (a fork with
 threads running is unsafe in any case). Where the copy finds no memory the allocation stays shared with the child.
@@ -136,13 +137,8 @@ def _privatize_before_fork() -> None:
     owned = _shared.owned
     for address, (nbytes, view, kind) in list(owned.items()):
         if kind == BORN_PRIVATE:
-            seg = view.obj
-            try:
-                seg.privatize()
-            except OSError:  # no memory for the copy: the child shares it
-                continue
-            owned[address] = (nbytes, view, PRIVATIZED)
-            _shared.forget(seg)
+            if _shared.privatize(view.obj):  # (no memory for the copy: the child shares it)
+                owned[address] = (nbytes, view, PRIVATIZED)
 
 
 os.register_at_fork(before=_privatize_before_fork)

@@ -406,7 +406,7 @@ BORN_SHARED, BORN_PRIVATE, PRIVATIZED = 0, 1, 2
 # where ``segment_of`` stops. Before a fork (``_before_fork``, ahead of Note [fork]'s counts) each segment under a
 # live own export moves into private memory at the same address, as _alloc privatizes born-private allocations (a
 # named one gives its count back first, through the file, the views word keeping it from reuse): the child inherits
-# it copy-on-write and counts nothing.
+# it copy-on-write and counts nothing; the segment leaves the table as it does (Note [privatized segments]).
 #
 # Not covered, shared with a fork child: an own array in an arena block (a lowered inline threshold: the arena may
 # hold shared blocks too), one whose copy found no memory.
@@ -436,12 +436,9 @@ def _privatize_own() -> None:
             hook, seg.release_hook = seg.release_hook, None
             if hook is not None:
                 hook(seg)
-        try:
-            seg.privatize()
-        except OSError:  # no memory for the copy: the child shares it (uncounted, as its view keeps it)
-            continue
-        seg.privatized = True  # (its own arrays stay recorded: still no handle to send)
-        forget(seg)
+        # its own arrays stay recorded (still no handle to send); with no memory for the copy, the child shares
+        # it, uncounted, as its view keeps it
+        privatize(seg)
 
 
 def segment_of(arr: np.ndarray, born: int = BORN_SHARED) -> tuple[shm_core.Segment, int] | None:
@@ -482,13 +479,36 @@ def is_shared(arr: object) -> bool:
 
 
 # ---------------------------------------------------------------------- leaving the table
-def forget(seg: shm_core.Segment) -> None:
-    """``seg`` is no longer shared memory of this process (_alloc: privatized): out of the table, its descriptor
-    closed; the mapping goes with the object."""
+# Note [privatized segments]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Invariant: no thread finds a privatized segment (Note [own arrays]; _alloc Note [private at fork]) in the table:
+# the segment leaves the table in the same step as its mapping goes private, under the table's lock, which every
+# lookup (_attach) holds.
+#
+# Why: privatizing gives the file's views word back (_recycle Note [views word]), so the sender may reuse the segment
+# for its next message at once. A receiving thread that found the old object in the table between the privatizing and
+# its removal viewed the private copy, the old contents, as the new message's: the soak (file_system, fork) got Pool
+# results holding another task's values, in about one run in three with a kill every 0.05-0.3 s.
+#
+# Not covered: a thread that found the segment before it was privatized and views it after sees the private copy,
+# which holds its message's data (the message's count kept the sender from writing), but gives that count back to the
+# copy: the file's word stays up, and its sender does not reuse it (_recycle Note [idle segments]).
+def privatize(seg: shm_core.Segment) -> bool:
+    """Move ``seg``'s mapping into private memory at the same address (``Mapping.privatize``: the file's views word
+    given back) and ``seg`` out of the table, its descriptor closed, as one step under the table's lock; False (and
+    nothing changed) where there is no memory for the copy. Note [privatized segments]."""
     with table.lock:
-        if table.segments.get(getattr(seg, "key", None)) is seg:
-            del table.segments[seg.key]
-    release_fd(seg)
+        try:
+            seg.privatize()
+        except OSError:
+            return False
+        seg.privatized = True
+        key = getattr(seg, "key", None)
+        if table.segments.get(key) is seg:
+            del table.segments[key]
+        table.fd_lru.pop(key, None)
+        seg.close_fd()
+    return True
 
 
 def release_fd(seg: shm_core.Segment) -> None:
