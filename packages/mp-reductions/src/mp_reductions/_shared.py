@@ -404,9 +404,9 @@ BORN_SHARED, BORN_PRIVATE, PRIVATIZED = 0, 1, 2
 # How: the receiver's rebuild (``own``) records the buffer export at the root of the array's bases (a memoryview of
 # the segment made for that array or block: numpy collapses chains of bases, so no marker array could stay between),
 # where ``segment_of`` stops. Before a fork (``_before_fork``, ahead of Note [fork]'s counts) each segment under a
-# live own export moves into private memory at the same address, as _alloc privatizes born-private allocations (a
+# live own export moves into private memory at the same address and leaves the table (Note [privatized segments]; a
 # named one gives its count back first, through the file, the views word keeping it from reuse): the child inherits
-# it copy-on-write and counts nothing; the segment leaves the table as it does (Note [privatized segments]).
+# it copy-on-write and counts nothing.
 #
 # Not covered, shared with a fork child: an own array in an arena block (a lowered inline threshold: the arena may
 # hold shared blocks too), one whose copy found no memory.
