@@ -488,7 +488,7 @@ def is_shared(arr: object) -> bool:
 # Why: privatizing gives the file's views word back (_recycle Note [views word]), so the sender may reuse the segment
 # for its next message at once. A receiving thread that found the old object in the table between the privatizing and
 # its removal viewed the private copy, the old contents, as the new message's: the soak (file_system, fork) got Pool
-# results holding another task's values, in 13 of 60 runs of 30 s with a kill every 0.05-0.3 s (0 of 39 after).
+# results holding another task's values, in 18 of 60 runs of 30 s with a kill every 0.05-0.3 s (0 of 39 after).
 #
 # Not covered: a thread that found the segment before it was privatized and views it after sees the private copy,
 # which holds its message's data (the message's count kept the sender from writing), but gives that count back to the
